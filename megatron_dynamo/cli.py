@@ -4,6 +4,7 @@
     dynamo smoke           a few Megatron training steps on random tokens, any TP/PP/DP layout
     dynamo train           DynaMO / GRPO training from a YAML recipe (the main job)
     dynamo compare         GRPO vs DynaMO variants over seeds: rollouts to reach a reward threshold
+    dynamo eval            pass@1 / pass@k on AIME24/25, AMC23, MATH500, Minerva, OlympiadBench (vLLM + math-verify)
     dynamo <cmd> --help    every option of a subcommand
 """
 
@@ -19,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "smoke": ("megatron_dynamo.commands.smoke", "train a model a few steps on random tokens (stack check)"),
     "train": ("megatron_dynamo.commands.train", "train a policy with DynaMO or GRPO from a YAML recipe"),
     "compare": ("megatron_dynamo.commands.compare", "GRPO vs DynaMO over seeds: rollouts to reach a reward threshold"),
+    "eval": ("megatron_dynamo.commands.eval", "pass@1 / pass@k of a checkpoint on the paper's six benchmarks"),
 }
 
 

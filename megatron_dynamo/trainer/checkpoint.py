@@ -24,7 +24,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -98,8 +98,11 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, trainer_state: dict[str, Any],
-                    hf_config: dict[str, Any], dtype: str, keep_last: int, saved_with: dict[str, Any]) -> Path:
-    """Collective: save a complete checkpoint of ``step`` atomically, then prune to the last ``keep_last``."""
+                    hf_config: dict[str, Any], dtype: str, keep_last: int, saved_with: dict[str, Any],
+                    hf_files_from: Sequence[str | os.PathLike] = ()) -> Path:
+    """Collective: save a complete checkpoint of ``step`` atomically, then prune to the last ``keep_last``.
+    ``hf_files_from``: directories whose tokenizer / generation-config files go into the checkpoint's ``hf/``
+    (so that ``dynamo eval`` and the converter turn it into a complete HF model on their own)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -114,7 +117,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, train
                 shutil.rmtree(leftover, ignore_errors=True)
             tmp.mkdir()
             write_checkpoint_info(tmp, hf_config, dtype, source={"kind": "training", "step": step},
-                                  saved_with=saved_with)
+                                  saved_with=saved_with, hf_files_from=hf_files_from)
     except OSError as exc:
         error = exc
     _raise_if_any_rank_failed(error, tmp, "preparing")

@@ -234,18 +234,15 @@ class Trainer:
 
     def export_hf(self) -> Path:
         """Convert the latest checkpoint to an HF model directory (``<output_dir>/hf``) with the converter."""
-        import subprocess
-        import sys
-
+        from checkpoints_convert import export_to_hf
         from megatron_dynamo.trainer.checkpoint import latest_checkpoint
 
         source = latest_checkpoint(self.checkpoint_root)
         target = self.output_dir / "hf"
-        cmd = [sys.executable, "-m", "checkpoints_convert", "megatron-to-hf", "--megatron", str(source),
-               "--out", str(target), "--tokenizer", str(self.output_dir / "tokenizer"), "--force", "--quiet"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise TrainingError(f"HF export of {source} failed: {proc.stderr.strip()[-2000:]}")
+        try:
+            export_to_hf(source, target, tokenizer_dir=self.output_dir / "tokenizer")
+        except RuntimeError as exc:
+            raise TrainingError(str(exc)) from None
         log.info("exported %s -> %s", source.name, target)
         return target
 
@@ -270,7 +267,8 @@ class Trainer:
         return save_checkpoint(self.checkpoint_root, step, self.actor.chunks, self.actor.optimizer,
                                self.trainer_state(), self.hf_config, self.run.model.dtype,
                                self.run.checkpoint.keep_last,
-                               saved_with={"tp": info.tp_size, "pp": info.pp_size, "dp": info.dp_size})
+                               saved_with={"tp": info.tp_size, "pp": info.pp_size, "dp": info.dp_size},
+                               hf_files_from=[self.output_dir / "tokenizer"])
 
     def close(self) -> None:
         if self.scorer is not None:

@@ -1,0 +1,257 @@
+"""Evaluation: the pass@k estimator against enumeration, and the runner end to end with the real vLLM (CPU build)
+and math-verify on a tiny model over the first problems of each of the paper's six benchmarks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from fractions import Fraction
+
+import pytest
+
+from megatron_dynamo.data.dataset import BENCHMARKS
+from megatron_dynamo.eval.passk import mean_pass_at_k, pass_at_k
+from megatron_dynamo.eval.runner import (EvalConfig, EvalError, evaluate, format_table, summarize,
+                                         summary_metrics)
+
+from hf_reference import REPO, hf_model
+
+DATA_DIR = "/work/shared/data/math" if os.path.isdir("/work/shared/data/math") else os.path.join(
+    REPO, "..", "shared", "data", "math")
+needs_data = pytest.mark.skipif(not os.path.isdir(DATA_DIR), reason="benchmark files not present")
+
+
+# ------------------------------------------------------------------------------------------------ estimator
+def _enumerated(n: int, c: int, k: int) -> float:
+    """Fraction of the k-subsets of n samples (the first c correct) holding a correct one."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_enumeration_for_small_n():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(_enumerated(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_is_exact_where_binomials_overflow():
+    for n, c, k in [(1024, 3, 512), (2000, 1, 1999), (4096, 100, 32), (32, 5, 1)]:
+        exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+        assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12, abs=1e-15)
+    assert pass_at_k(32, 0, 32) == 0.0 and pass_at_k(32, 1, 32) == 1.0
+    assert pass_at_k(32, 8, 1) == pytest.approx(0.25, abs=1e-15)  # pass@1 is the mean accuracy
+    assert mean_pass_at_k([(4, 1), (4, 4), (2, 0)], 1) == pytest.approx((0.25 + 1 + 0) / 3)
+
+
+@pytest.mark.parametrize("n,c,k", [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5), (4.5, 2, 1)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError):
+        pass_at_k(n, c, k)
+
+
+def test_eval_config_rejects_bad_values():
+    for bad in (dict(n=0), dict(n=4, k=(8,)), dict(benchmarks=()), dict(benchmarks=("aime24", "aime24")),
+                dict(temperature=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(template="nope"),
+                dict(limit=0), dict(problems_per_batch=0)):
+        with pytest.raises((ValueError, KeyError)):
+            EvalConfig(**{"n": 4, "k": (4,), **bad}).validate()
+    assert EvalConfig(n=8, k=(4, 8, 4)).k == (1, 4, 8)
+
+
+# ------------------------------------------------------------------------------------------- summary, table
+def _records(benchmark, problem, flags):
+    return [{"benchmark": benchmark, "problem_id": problem, "sample_index": i, "correct": f, "num_tokens": 10 + i,
+             "finish_reason": "stop" if i else "length"} for i, f in enumerate(flags)]
+
+
+def test_summary_averages_benchmarks_and_table_has_the_paper_layout(tmp_path):
+    from megatron_dynamo.eval.runner import Benchmark
+    from megatron_dynamo.data.dataset import MathExample
+
+    a = Benchmark("aime24", "a", (MathExample("aime24:0", "p", "1"), MathExample("aime24:1", "p", "2")))
+    b = Benchmark("minerva", "b", (MathExample("minerva:0", "p", "1"),))
+    finished = {("aime24", "aime24:0"): _records("aime24", "aime24:0", [1, 0, 0, 0]),
+                ("aime24", "aime24:1"): _records("aime24", "aime24:1", [0, 0, 0, 0]),
+                ("minerva", "minerva:0"): _records("minerva", "minerva:0", [1, 1, 0, 1])}
+    summary = summarize([a, b], finished, EvalConfig(n=4, k=(2, 4)))
+    aime, minerva = summary["benchmarks"]["aime24"], summary["benchmarks"]["minerva"]
+    assert aime["pass@1"] == pytest.approx(0.125) and aime["pass@2"] == pytest.approx(0.25)
+    assert aime["pass@4"] == pytest.approx(0.5) and minerva["pass@1"] == pytest.approx(0.75)
+    assert minerva["pass@2"] == pytest.approx(1.0)
+    assert summary["avg"]["pass@1"] == pytest.approx((0.125 + 0.75) / 2)  # the paper's Avg.: mean of columns
+    assert aime["problems"] == 2 and aime["samples"] == 8 and aime["truncated_fraction"] == pytest.approx(0.25)
+    table = format_table([("DynaMO", summary)]).splitlines()
+    assert table[0].split() == ["AIME24", "Minerva", "Avg."]
+    assert table[1].split() == ["P@1", "P@2", "P@4"] * 3
+    assert table[2].split() == ["DynaMO", "12.5", "25.0", "50.0", "75.0", "100.0", "100.0", "43.8", "62.5", "75.0"]
+    metrics = summary_metrics(summary)
+    assert metrics["eval/aime24/pass@4"] == pytest.approx(0.5) and metrics["eval/avg/pass@1"] == pytest.approx(0.4375)
+
+
+# ---------------------------------------------------------------------------------- runner with real vLLM
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random tiny Qwen2 with the offline character tokenizer, long enough for the first benchmark prompts."""
+    from megatron_dynamo.data.tokenizer import build_char_tokenizer
+    from hf_reference import TINY_QWEN2
+
+    path = tmp_path_factory.mktemp("tiny_eval_model")
+    hf_model(TINY_QWEN2, seed=3, max_position_embeddings=2048).save_pretrained(path)
+    build_char_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from megatron_dynamo.rollout.vllm_engine import VLLMEngine
+
+    with VLLMEngine(tiny_model, max_model_len=2048, cpu_kvcache_space_gb=1, seed=0) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    from megatron_dynamo.reward.math_reward import MathRewardScorer
+
+    with MathRewardScorer(num_workers=2) as s:
+        yield s
+
+
+def _lines(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def _by_key(records):
+    return {(r["benchmark"], r["problem_id"], r["sample_index"]): r for r in records}
+
+
+SMALL = dict(n=3, k=(3,), max_tokens=8, limit=2, problems_per_batch=2, data_dir=DATA_DIR)
+
+
+@needs_data
+def test_six_benchmarks_resume_after_interruption_to_the_same_samples(engine, tokenizer, scorer, tmp_path):
+    config = EvalConfig(benchmarks=BENCHMARKS, **SMALL)
+    whole = evaluate(engine, tokenizer, scorer, config, tmp_path / "whole", model="tiny", progress=False)
+    expected = _lines(tmp_path / "whole" / "samples.jsonl")
+    assert len(expected) == 6 * 2 * 3 and set(whole["benchmarks"]) == set(BENCHMARKS)
+    assert json.loads((tmp_path / "whole" / "summary.json").read_text())["avg"] == whole["avg"]
+    for record in expected:
+        assert set(record) >= {"benchmark", "problem_id", "sample_index", "response", "extracted_answer", "correct"}
+
+    class Interrupt(Exception):
+        pass
+
+    batches = []
+
+    def stop_after_two(problems):
+        batches.append(problems)
+        if len(batches) == 2:
+            raise Interrupt
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Interrupt):
+        evaluate(engine, tokenizer, scorer, config, out, model="tiny", progress=False, on_batch=stop_after_two)
+    assert len(_lines(out / "samples.jsonl")) == 2 * 2 * 3
+    with open(out / "samples.jsonl", "a", encoding="utf-8") as f:  # a crash mid-write: a torn line
+        f.write('{"benchmark": "amc23", "problem_id": "amc23:0", "sample_ind')
+    resumed = evaluate(engine, tokenizer, scorer, config, out, model="tiny", progress=False)
+    assert resumed["generated_problems"] == 4 * 2  # only the four benchmarks not finished before
+    assert _by_key(_lines(out / "samples.jsonl")) == _by_key(expected)
+    assert resumed["benchmarks"] == whole["benchmarks"]
+
+    with pytest.raises(EvalError, match="other settings .*n"):
+        evaluate(None, tokenizer, scorer, EvalConfig(benchmarks=BENCHMARKS, **{**SMALL, "n": 2, "k": (2,)}),
+                 out, model="tiny", progress=False)
+    with pytest.raises(EvalError, match="exceed the engine's 50 prompt tokens"):
+        evaluate(None, tokenizer, scorer, config, tmp_path / "short", max_prompt_tokens=50, progress=False)
+
+
+@needs_data
+def test_correct_flags_and_answer_candidates(engine, tokenizer, scorer, tmp_path):
+    """Rig a benchmark whose accepted answers are answers the model gave: the same seeds give the same samples,
+    so those samples must be counted correct, every flag must agree with the scorer, and pass@k with the flags."""
+    config = EvalConfig(benchmarks=("math500",), **{**SMALL, "n": 8, "k": (8,), "limit": 8, "max_tokens": 40})
+    evaluate(engine, tokenizer, scorer, config, tmp_path / "first", progress=False)
+    first = _lines(tmp_path / "first" / "samples.jsonl")
+    given = {}  # problem id -> (sample index, the answer the model gave there)
+    for record in first:
+        if record["extracted_answer"] and record["problem_id"] not in given:
+            given[record["problem_id"]] = (record["sample_index"], record["extracted_answer"])
+    assert len(given) >= 2, "the tiny model should finish some responses with a number in them"
+    data = [json.loads(line) for line in open(os.path.join(DATA_DIR, "math500.jsonl"), encoding="utf-8")][:8]
+    rigged_dir = tmp_path / "rigged"
+    rigged_dir.mkdir()
+    with open(rigged_dir / "math500.jsonl", "w", encoding="utf-8") as f:
+        for row in data:
+            answer = given.get(f"math500:{row['id']}", (None, None))[1]
+            # The model's answer only as an accepted alternative form (like Minerva's candidates).
+            f.write(json.dumps({**row, "answer": "-987654", "answer_candidates": [answer] if answer else []}) + "\n")
+    rigged = EvalConfig(**{**config.__dict__, "data_dir": str(rigged_dir)})
+    with_forms = evaluate(engine, tokenizer, scorer, rigged, tmp_path / "forms", progress=False)
+    samples = _lines(tmp_path / "forms" / "samples.jsonl")
+    assert [s["response"] for s in samples] == [s["response"] for s in first]  # same seeds, same samples
+    by_key = _by_key(samples)
+    for problem, (index, _) in given.items():
+        assert by_key[("math500", problem, index)]["correct"], problem
+    for s in samples:
+        accepted = given.get(s["problem_id"], (None, None))[1]
+        expected = accepted is not None and scorer.score_one(s["response"], ["-987654", accepted],
+                                                             s["finish_reason"]) == 1.0
+        assert s["correct"] == expected
+    counts = {}
+    for s in samples:
+        n, c = counts.get(s["problem_id"], (0, 0))
+        counts[s["problem_id"]] = (n + 1, c + s["correct"])
+    for k in (1, 8):
+        assert with_forms["benchmarks"]["math500"][f"pass@{k}"] == pytest.approx(mean_pass_at_k(counts.values(), k))
+    assert with_forms["benchmarks"]["math500"]["pass@8"] >= len(given) / 8
+    answer_only = evaluate(engine, tokenizer, scorer, EvalConfig(**{**rigged.__dict__, "answer_candidates": False}),
+                           tmp_path / "answer_only", progress=False)
+    assert answer_only["benchmarks"]["math500"]["pass@8"] == 0.0
+
+
+@needs_data
+def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path, capsys):
+    """The CLI end to end: HF -> Megatron with the converter, then `dynamo eval` converts it back, generates with
+    vLLM, writes samples/summary and prints the table."""
+    import subprocess
+    import sys
+
+    from megatron_dynamo.cli import main
+
+    megatron = tmp_path / "megatron"
+    subprocess.run([sys.executable, "-m", "checkpoints_convert", "hf-to-megatron", "--hf", tiny_model, "--out",
+                    str(megatron), "--quiet"], check=True)
+    out = tmp_path / "eval"
+    code = main(["eval", "--checkpoint", str(megatron), "--benchmarks", "aime24,minerva", "--data-dir", DATA_DIR,
+                 "--n", "2", "--k", "2", "--max-tokens", "6", "--limit", "2", "--output", str(out), "--label", "tiny",
+                 "--reward-workers", "1", "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "AIME24" in printed and "Minerva" in printed and "Avg." in printed and "tiny" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["model"] == str(megatron.absolute())
+    assert summary["settings"]["template"] == "qwen_math_boxed" and summary["k"] == [1, 2]
+    assert {b: r["samples"] for b, r in summary["benchmarks"].items()} == {"aime24": 4, "minerva": 4}
+    assert (out / "hf_model" / "config.json").is_file() and len(_lines(out / "samples.jsonl")) == 8
+
+
+def test_dynamo_eval_rejects_bad_input_before_loading_a_model(tmp_path, capsys):
+    from megatron_dynamo.cli import main
+
+    assert main(["eval", "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tmp_path), "--n", "4", "--k", "8"]) == 2
+    assert "k must lie in [1, n=4]" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tmp_path), "--benchmarks", "nope.jsonl"]) == 2
+    assert "neither an HF model directory" in capsys.readouterr().err
