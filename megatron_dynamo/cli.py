@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "smoke": ("megatron_dynamo.commands.smoke", "train a model a few steps on random tokens (stack check)"),
     "train": ("megatron_dynamo.commands.train", "train a policy with DynaMO or GRPO from a YAML recipe"),
     "compare": ("megatron_dynamo.commands.compare", "GRPO vs DynaMO over seeds: rollouts to reach a reward threshold"),
+    "launch": ("megatron_dynamo.commands.launch", "cluster recipes (1.5B/7B/14B, conversion) via nemo-run"),
     "eval": ("megatron_dynamo.commands.eval", "pass@1 / pass@k of a checkpoint on the paper's six benchmarks"),
 }
 
@@ -36,7 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a positional list at the first option: `train cfg --resume a=b` leaves `a=b` over. Overrides
+    # may come anywhere on the line, so key=value leftovers join the command's overrides.
+    if extra and hasattr(args, "overrides") and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides = [*(args.overrides or []), *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     return int(module.run(args) or 0)
 

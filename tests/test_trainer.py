@@ -38,6 +38,19 @@ def test_bad_config_is_rejected_before_compute(override, message):
         load_run_config(CPU_DEFAULT, [override])
 
 
+def test_bad_evaluation_settings_are_rejected_before_compute(tmp_path):
+    with pytest.raises(ConfigError, match=r"evaluation: every k must lie in \[1, n=4\]"):
+        load_run_config(CPU_DEFAULT, ["evaluation.every=2", "evaluation.n=4", "evaluation.k=[8]"])
+    with pytest.raises(ConfigError, match="evaluation: every must be >= 0"):
+        load_run_config(CPU_DEFAULT, ["evaluation.every=-1"])
+    # A benchmark whose prompts do not fit the rollout engine fails when the trainer starts, not at step N.
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT,
+                           f"trainer.output_dir={tmp_path}", "evaluation.every=1", "evaluation.benchmarks=[aime24]",
+                           "evaluation.data_dir=/work/shared/data/math"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1 and "exceed the engine's 21 prompt tokens" in proc.stderr, proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
 def _samples():
     return [Sample(0, "a", (5, 6, 7), (8, 9), 1.0, 0.5), Sample(1, "b", (5,), (1, 2, 3), 0.0, -1.0),
             Sample(2, "a", (5, 6, 7), (4,), 0.0, -0.5), Sample(3, "c", (9, 9), (7,), 1.0, 0.0)]
@@ -119,17 +132,31 @@ def _train(output_dir, *extra):
         return [json.loads(line) for line in f], proc.stdout
 
 
+def _eval_args(output_dir):
+    """Periodic evaluation (before training and every 2 steps) on a JSONL benchmark of synthetic problems."""
+    from megatron_dynamo.data.synthetic import make_synthetic_task
+
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "synthetic_eval.jsonl")
+    with open(path, "w") as f:
+        for ex in make_synthetic_task(16, seed=0)[:8]:
+            f.write(json.dumps({"id": ex.id, "problem": ex.problem, "answer": ex.answer}) + "\n")
+    return ["evaluation.every=2", "evaluation.at_start=true", f"evaluation.benchmarks=[{path}]", "evaluation.n=4",
+            "evaluation.k=[2,4]"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    metrics, stdout = _train(out, "trainer.steps=4", "checkpoint.export_hf=true")
+    metrics, stdout = _train(out, "trainer.steps=4", "checkpoint.export_hf=true", *_eval_args(out))
     return out, metrics, stdout
 
 
 @pytest.mark.slow
 def test_training_run_writes_metrics_checkpoints_and_plot(uninterrupted):
-    out, metrics, stdout = uninterrupted
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    out, all_metrics, stdout = uninterrupted
+    metrics = [m for m in all_metrics if m["step"] > 0]
+    assert [m["step"] for m in all_metrics] == [0, 1, 2, 3, 4]
     for key in ("reward_mean", "rollouts", "alloc_min", "alloc_max", "variance_ratio", "entropy_mean", "grad_norm",
                 "step_seconds", "time/rollout", "time/reward", "time/train", "time/weight_sync"):
         assert all(key in m for m in metrics), key
@@ -146,18 +173,29 @@ def test_training_run_writes_metrics_checkpoints_and_plot(uninterrupted):
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "hf")
     ids = tokenizer("12+7=", return_tensors="pt").input_ids
     assert torch.isfinite(model(ids).logits).all()
+    # Periodic evaluation: before training, after step 2 and after the last step, logged with the step.
+    evaluated = {m["step"]: m for m in all_metrics if "eval/avg/pass@1" in m}
+    assert sorted(evaluated) == [0, 2, 4]
+    for m in evaluated.values():
+        assert 0 <= m["eval/synthetic_eval/pass@1"] <= m["eval/synthetic_eval/pass@2"] <= m["eval/avg/pass@4"] <= 1
+        assert m["eval/avg/pass@4"] == m["eval/synthetic_eval/pass@4"]
+    assert evaluated[4]["eval/avg/pass@1"] > 0  # the SFT-warmed model solves some of its training problems
+    lines = (out / "eval" / "step_000004" / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 8 * 4
+    summary = json.loads((out / "eval" / "step_000004" / "summary.json").read_text())
+    assert summary["benchmarks"]["synthetic_eval"]["pass@1"] == evaluated[4]["eval/avg/pass@1"]
 
 
 @pytest.mark.slow
 def test_resume_continues_exactly(uninterrupted, tmp_path):
     _, full, _ = uninterrupted
-    first, _ = _train(tmp_path, "trainer.steps=2")
-    resumed, _ = _train(tmp_path, "trainer.steps=4", "--resume")
-    assert [m["step"] for m in first] == [1, 2] and [m["step"] for m in resumed] == [1, 2, 3, 4]
+    first, _ = _train(tmp_path, "trainer.steps=2", *_eval_args(tmp_path))
+    resumed, _ = _train(tmp_path, "trainer.steps=4", "--resume", *_eval_args(tmp_path))
+    assert [m["step"] for m in first] == [0, 1, 2] and [m["step"] for m in resumed] == [0, 1, 2, 3, 4]
     for a, b in zip(full, resumed):
-        assert a["alloc_counts"] == b["alloc_counts"], a["step"]
-        for key in ("reward_mean", "loss", "entropy_mean", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+        assert a.get("alloc_counts") == b.get("alloc_counts"), a["step"]
+        for key in ("reward_mean", "loss", "entropy_mean", "grad_norm", "eval/avg/pass@1", "eval/avg/pass@4"):
+            assert a.get(key) == pytest.approx(b.get(key), rel=1e-6, abs=1e-9), (a["step"], key)
 
 
 def _fault_worker(rank, world_size, output_dir):

@@ -55,6 +55,7 @@ class EvalConfig:
     values. ``template``: the prompt template of training. ``answer_candidates``: also accept a row's
     ``answer_candidates`` (Minerva's accepted forms). ``limit``: only the first ``limit`` problems of each
     benchmark (smoke runs). ``problems_per_batch``: problems per generation call (the unit of resumption).
+    ``stop_token_ids``: ids that end a response besides the tokenizer's EOS (the trainer passes its rollout's).
     """
 
     benchmarks: tuple[str, ...] = BENCHMARKS
@@ -69,11 +70,13 @@ class EvalConfig:
     limit: int | None = None
     data_dir: str | None = None
     problems_per_batch: int = 64
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # YAML and the command line hand over lists; settings.json compares tuples.
         object.__setattr__(self, "benchmarks", tuple(self.benchmarks))
         object.__setattr__(self, "k", tuple(sorted({1, *(int(k) for k in self.k)})))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def validate(self) -> None:
         if not self.benchmarks:
@@ -94,7 +97,7 @@ class EvalConfig:
     def sampling(self) -> SamplingConfig:
         # Log-probs are not needed; the text is what gets scored.
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
-                              seed=self.seed, logprobs=False, detokenize=True)
+                              seed=self.seed, stop_token_ids=self.stop_token_ids, logprobs=False, detokenize=True)
 
     def settings(self) -> dict[str, Any]:
         """Everything a sample depends on (``problems_per_batch`` does not: seeds are per problem)."""
@@ -129,6 +132,24 @@ def load_benchmarks(config: EvalConfig) -> list[Benchmark]:
         problems = tuple(dataset)[: config.limit] if config.limit else tuple(dataset)
         benchmarks.append(Benchmark(name, dataset.path, problems))
     return benchmarks
+
+
+def build_prompts(benchmarks: Sequence[Benchmark], template: str, tokenizer,
+                  max_prompt_tokens: int | None = None) -> dict[tuple[str, str], tuple[int, ...]]:
+    """Prompt token ids per (benchmark, problem id), rendered and tokenized exactly as in training; EvalError
+    if any is longer than ``max_prompt_tokens``."""
+    prompts = {}
+    for bench in benchmarks:
+        for example in bench.problems:
+            text = render(template, example.problem)
+            prompts[(bench.name, example.id)] = tuple(tokenizer.encode(text, add_special_tokens=False))
+    if max_prompt_tokens is not None:
+        too_long = [f"{b}/{p} ({len(ids)} tokens)" for (b, p), ids in prompts.items() if len(ids) > max_prompt_tokens]
+        if too_long:
+            raise EvalError(f"{len(too_long)} prompt(s) exceed the engine's {max_prompt_tokens} prompt tokens: "
+                            f"{', '.join(too_long[:5])}{' ...' if len(too_long) > 5 else ''}; raise the model "
+                            "length or evaluate fewer benchmarks")
+    return prompts
 
 
 # --------------------------------------------------------------------------------------------- samples file
@@ -226,18 +247,7 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
     """
     config.validate()
     benchmarks = load_benchmarks(config)
-    prompts: dict[tuple[str, str], tuple[int, ...]] = {}
-    for bench in benchmarks:
-        for example in bench.problems:
-            text = render(config.template, example.problem)
-            prompts[(bench.name, example.id)] = tuple(tokenizer.encode(text, add_special_tokens=False))
-    if max_prompt_tokens is not None:
-        too_long = [f"{b}/{p} ({len(ids)} tokens)" for (b, p), ids in prompts.items() if len(ids) > max_prompt_tokens]
-        if too_long:
-            raise EvalError(f"{len(too_long)} prompt(s) exceed the engine's {max_prompt_tokens} prompt tokens: "
-                            f"{', '.join(too_long[:5])}{' ...' if len(too_long) > 5 else ''}; raise the model "
-                            "length (--max-model-len) or evaluate fewer benchmarks")
-
+    prompts = build_prompts(benchmarks, config.template, tokenizer, max_prompt_tokens)
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     settings = {**config.settings(), "benchmarks": [b.name for b in benchmarks], "model": model}

@@ -156,6 +156,33 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class EvaluationConfig:
+    """Benchmark evaluation during training (off while ``every`` is 0): after every ``every``-th step and the
+    last one (and before the first with ``at_start``), rank 0 samples ``n`` responses per problem of
+    ``benchmarks`` with the rollout engine, which holds the weights just trained, and logs
+    ``eval/<benchmark>/pass@k`` and ``eval/avg/pass@k`` with that step's metrics; the samples go to
+    ``<output_dir>/eval/step_<N>/``. Sampling defaults to the rollout's (``null``); prompts use
+    ``data.template``. Keep it small (a subset, ``limit``): the other ranks wait for it in the next step's first
+    collective, within the process-group timeout (30 minutes)."""
+
+    every: int = 0
+    at_start: bool = False
+    benchmarks: tuple[str, ...] = ("aime24", "amc23", "math500")
+    n: int = 4
+    k: tuple[int, ...] = (4,)
+    limit: int | None = None
+    data_dir: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    answer_candidates: bool = True
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every must be >= 0 (0: off), got {self.every}")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     """Metrics go to ``<output_dir>/metrics.jsonl``, TensorBoard (``tensorboard``) and a one-line progress display
     per step; ``plot`` writes ``reward_curve.png`` next to the metrics at the end."""
@@ -175,12 +202,33 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
         if self.data.prompts_per_step % self.trainer.mini_batch_prompts:
             raise ValueError(f"data.prompts_per_step ({self.data.prompts_per_step}) must be a multiple of "
                              f"trainer.mini_batch_prompts ({self.trainer.mini_batch_prompts})")
+        if self.evaluation.every or self.evaluation.at_start:
+            try:
+                eval_config(self).validate()
+            except (ValueError, KeyError) as exc:
+                raise ValueError(f"evaluation: {exc}") from None
+
+
+def eval_config(run: RunConfig, stop_token_ids: tuple[int, ...] = ()):
+    """The :class:`~megatron_dynamo.eval.runner.EvalConfig` of the run's periodic evaluation: its own settings,
+    the rollout's sampling where it leaves them open, the training prompt template and data directory."""
+    from megatron_dynamo.eval.runner import EvalConfig
+
+    ev = run.evaluation
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return EvalConfig(benchmarks=ev.benchmarks, n=ev.n, k=ev.k, limit=ev.limit,
+                      data_dir=pick(ev.data_dir, run.data.data_dir),
+                      max_tokens=pick(ev.max_tokens, run.rollout.max_response_tokens),
+                      temperature=pick(ev.temperature, run.rollout.temperature),
+                      top_p=pick(ev.top_p, run.rollout.top_p), template=run.data.template,
+                      seed=run.trainer.seed, answer_candidates=ev.answer_candidates, stop_token_ids=stop_token_ids)
 
 
 ALGORITHMS = ("dynamo", "grpo")

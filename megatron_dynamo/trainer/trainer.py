@@ -64,6 +64,7 @@ def set_learning_rate(actor, lr: float) -> None:
 
 class Trainer:
     def __init__(self, run: RunConfig, resume: bool = False):
+        from megatron_dynamo.models.qwen import load_hf_config
         from megatron_dynamo.parallel import runtime
         from megatron_dynamo.trainer.checkpoint import list_checkpoints
 
@@ -85,7 +86,24 @@ class Trainer:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.output_dir / "tokenizer"))
+        self.engine_max_len = min(load_hf_config(run.model.config).get("max_position_embeddings", 4096),
+                                  run.data.max_prompt_tokens + run.rollout.max_response_tokens)
+        self._check_evaluation()
         self._build()
+
+    def _check_evaluation(self) -> None:
+        """Read the periodic evaluation's benchmarks and measure their prompts now (every rank, so all fail
+        alike), not after hours of training."""
+        from megatron_dynamo.eval.runner import EvalError, build_prompts, load_benchmarks
+        from megatron_dynamo.trainer.config import eval_config
+
+        if not (self.run.evaluation.every or self.run.evaluation.at_start):
+            return
+        config = eval_config(self.run)
+        try:
+            build_prompts(load_benchmarks(config), config.template, self.tokenizer, self.engine_max_len - 1)
+        except (EvalError, OSError, ValueError) as exc:
+            raise TrainingError(f"evaluation: {exc}") from None
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
@@ -136,11 +154,9 @@ class Trainer:
         (model_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
         self.tokenizer.save_pretrained(str(model_dir))
         run = self.run
-        max_len = min(self.hf_config.get("max_position_embeddings", 4096),
-                      run.data.max_prompt_tokens + run.rollout.max_response_tokens)
         return VLLMEngine(str(model_dir), tensor_parallel_size=run.rollout.tensor_parallel if torch.cuda.is_available() else 1,
                           dtype="bfloat16" if self.rollout_dtype == torch.bfloat16 else "float32",
-                          max_model_len=max_len, seed=run.trainer.seed,
+                          max_model_len=self.engine_max_len, seed=run.trainer.seed,
                           gpu_memory_utilization=run.rollout.gpu_memory_utilization,
                           enable_sleep_mode=run.rollout.sleep_during_training and torch.cuda.is_available(),
                           # Random weights at start: the trainer pushes its own before the first rollout.
@@ -208,10 +224,15 @@ class Trainer:
                                    run.trainer.steps, resume=latest is not None)
         history = []
         try:
+            if run.evaluation.at_start and start_step == 0 and self.rank == 0:
+                logger.log(0, self.evaluate(0))
             for step in range(start_step + 1, run.trainer.steps + 1):
                 warmup = run.trainer.warmup_steps
                 set_learning_rate(self.actor, run.optim.lr * min(1.0, step / warmup) if warmup else run.optim.lr)
                 metrics = self.runner.run_step(step)
+                every = run.evaluation.every
+                if self.rank == 0 and every and (step % every == 0 or step == run.trainer.steps):
+                    metrics.update(self.evaluate(step))
                 history.append(metrics)
                 if logger is not None:
                     logger.log(step, metrics)
@@ -231,6 +252,34 @@ class Trainer:
         if self.rank == 0 and run.checkpoint.export_hf:
             self.export_hf()
         return history
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Rank 0: the periodic benchmark evaluation with the rollout engine, which holds the weights of ``step``
+        (written to ``<output_dir>/eval/step_<N>``; a resumed run finishes an interrupted one there)."""
+        import time
+
+        from megatron_dynamo.eval.runner import EvalError, evaluate, summary_metrics
+        from megatron_dynamo.trainer.checkpoint import step_dir_name
+        from megatron_dynamo.trainer.config import eval_config
+
+        start = time.perf_counter()
+        config = eval_config(self.run, stop_token_ids=self.sampling.stop_token_ids)
+        sleeping = self.run.rollout.sleep_during_training
+        if sleeping:
+            self.engine.wake_up()
+        try:
+            summary = evaluate(self.engine, self.tokenizer, self.scorer, config,
+                               self.output_dir / "eval" / step_dir_name(step), model=f"training step {step}",
+                               max_prompt_tokens=self.engine_max_len - 1, progress=False)
+        except (EvalError, OSError) as exc:
+            raise TrainingError(f"evaluation after step {step} failed: {exc}") from None
+        finally:
+            if sleeping:
+                self.engine.sleep()
+        metrics = {**summary_metrics(summary), "time/eval": time.perf_counter() - start}
+        log.info("eval after step %d: %s", step, ", ".join(f"{k.removeprefix('eval/avg/')} {v:.3f}"
+                                                             for k, v in metrics.items() if k.startswith("eval/avg/")))
+        return metrics
 
     def export_hf(self) -> Path:
         """Convert the latest checkpoint to an HF model directory (``<output_dir>/hf``) with the converter."""
