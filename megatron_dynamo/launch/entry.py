@@ -1,0 +1,91 @@
+"""Importable entry points of the nemo-run recipes (``run.Partial`` targets). No nemo-run import here.
+
+Under torchrun / srun every process calls :func:`train` with the same config and is one rank: it runs the code path
+of ``dynamo train`` (``commands.train.train_on_rank``). Failures exit non-zero, which is what makes the Slurm job
+requeue itself (nemo-run's batch script requeues on a non-zero exit while retries are left).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_dynamo.trainer.config import RunConfig
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+
+
+def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
+    """Train ``config`` (a recipe's RunConfig) with ``algo``. ``resume=True`` continues from the latest complete
+    checkpoint under the run's checkpoint directory and starts from scratch when there is none (the trainer logs
+    a warning), so the same task serves the first submission and every requeue."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    from megatron_dynamo.commands.train import _describe, _launched_externally, train_on_rank
+    from megatron_dynamo.config import ConfigError, validate_tree
+    from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
+    from megatron_dynamo.trainer.config import with_algorithm
+    from megatron_dynamo.trainer.step import RolloutError
+    from megatron_dynamo.trainer.trainer import TrainingError
+
+    try:
+        run = with_algorithm(config, algo)
+        validate_tree(run)
+    except ConfigError as exc:
+        print(f"dynamo launch: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    nproc = run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+    try:
+        if _launched_externally() or nproc == 1:
+            train_on_rank(_rank(), _world_size(), run, resume)
+        else:  # started as a single process (nemo-run's direct mode): spawn the model-parallel ranks here
+            run_on_ranks(train_on_rank, nproc, run, resume, describe=_describe)
+    except (TrainingError, RolloutError, RankError) as exc:
+        print(f"dynamo launch: rank {_rank()}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A training checkpoint directory (``<output_dir>/checkpoints``, holding ``latest``) -> its latest step
+    directory; any other path unchanged. Resolved when the job runs, not when it is submitted."""
+    pointer = Path(path) / "latest"
+    return str(Path(path) / pointer.read_text().strip()) if pointer.is_file() else path
+
+
+def convert_args(direction: str, src: str, out: str, tp: int = 1, pp: int = 1, tokenizer: str | None = None,
+                 dtype: str | None = None, force: bool = False) -> list[str]:
+    """``python -m checkpoints_convert`` arguments. hf-to-megatron: ``src`` is the HF directory; megatron-to-hf:
+    a Megatron checkpoint, a training ``step_N`` directory, or a ``checkpoints`` directory (its latest step)."""
+    if direction == "hf-to-megatron":
+        args = [direction, "--hf", src, "--out", out]
+    elif direction == "megatron-to-hf":
+        args = [direction, "--megatron", resolve_checkpoint(src), "--out", out]
+        if tokenizer:
+            args += ["--tokenizer", tokenizer]
+    else:
+        raise ValueError(f"direction must be hf-to-megatron or megatron-to-hf, got {direction!r}")
+    args += ["--tp", str(tp), "--pp", str(pp)]
+    if dtype:
+        args += ["--dtype", dtype]
+    if force:
+        args.append("--force")
+    return args
+
+
+def convert(direction: str, src: str, out: str, tp: int = 1, pp: int = 1, tokenizer: str | None = None,
+            dtype: str | None = None, force: bool = False) -> None:
+    """Run the checkpoint converter as its own process: ``python -m checkpoints_convert`` hides the GPUs before
+    torch is imported and spawns its tp x pp CPU workers itself."""
+    args = convert_args(direction, src, out, tp, pp, tokenizer, dtype, force)
+    print("dynamo launch: python -m checkpoints_convert " + " ".join(args), flush=True)
+    code = subprocess.run([sys.executable, "-m", "checkpoints_convert", *args], check=False).returncode
+    if code:
+        raise SystemExit(code)

@@ -1,0 +1,202 @@
+"""nemo-run recipes: tasks (``run.Partial`` of :mod:`megatron_dynamo.launch.entry`), executors, dry-run rendering and
+submission. nemo-run is imported inside the functions only (the ``launch`` extra), never at module import.
+
+    task, cfg = train_task(get_recipe("qwen3-14b"), overrides=[], roots=SiteRoots.from_env())
+    executor = slurm_executor(SlurmOptions(account="acct", partition="batch"), nodes=2, gpus_per_node=8,
+                              time="24:00:00", env=TRAIN_ENV)
+    print(render(task, executor, "qwen3-14b", base_dir).script)
+
+The RunConfig is turned into nested ``run.Config`` objects by walking the dataclass fields, so a section added to
+RunConfig needs no change here; fiddle serializes that tree into the job and builds the same RunConfig in every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_dynamo.launch.entry import convert, train
+from megatron_dynamo.launch.recipes import PROJECT_ROOT, Recipe, SiteRoots, load_recipe, recipe_overrides
+
+# Seconds before the time limit at which Slurm sends SIGUSR1 to the job steps. torchrun and the ranks do not handle
+# USR1, so they exit, srun returns non-zero, and nemo-run's batch script runs `scontrol requeue` (retries left):
+# the next allocation resumes from the latest checkpoint. Preemption requeues through `sbatch --requeue`.
+SIGNAL_BEFORE_LIMIT_S = 300
+
+
+def _nemo_run():
+    """``import nemo_run`` without the deprecation warning its leptonai/fastapi imports print on every call."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*starlette.middleware.wsgi is deprecated.*")
+        import nemo_run
+
+    return nemo_run
+
+
+def to_config(value: Any) -> Any:
+    """A dataclass instance -> ``run.Config`` of its class with every init field converted the same way
+    (lists, tuples and dicts element-wise); anything else unchanged."""
+    run = _nemo_run()
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return run.Config(type(value), **{f.name: to_config(getattr(value, f.name))
+                                          for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_config(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_config(v) for k, v in value.items()}
+    return value
+
+
+def train_task(recipe: Recipe, overrides: list[str], roots: SiteRoots, algo: str = "dynamo",
+               resume: bool = True):
+    """(``run.Partial(entry.train, config=run.Config(RunConfig, ...), algo=..., resume=...)``, the RunConfig)."""
+    run = _nemo_run()
+
+    cfg = load_recipe(recipe, recipe_overrides(recipe, roots, overrides), algo)
+    return run.Partial(train, config=to_config(cfg), algo=algo, resume=resume), cfg
+
+
+def convert_task(direction: str, **params: Any):
+    """``run.Partial(entry.convert, direction=..., src=..., out=..., tp=..., ...)``; checks the arguments now."""
+    import inspect
+
+    run = _nemo_run()
+
+    try:  # a missing or unknown parameter fails here, before anything is submitted
+        inspect.signature(convert).bind(direction, **params)
+    except TypeError as exc:
+        raise ValueError(f"{direction}: {exc}") from None
+    return run.Partial(convert, direction=direction, **params)
+
+
+def local_executor(gpus: int, env: dict[str, str] | None = None, use_torchrun: bool = True):
+    """This machine: torchrun with one process per GPU (``use_torchrun=False``: one plain process)."""
+    run = _nemo_run()
+
+    return run.LocalExecutor(ntasks_per_node=gpus if use_torchrun else 1,
+                             launcher="torchrun" if use_torchrun else None, env_vars=dict(env or {}))
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """Where and how to submit. ``job_dir``: nemo-run's experiment directory on the cluster (shared file system;
+    default ``~/.nemo_run/experiments`` of the submitting user). ``ssh_host``: submit from a workstation through
+    SSH (else ``sbatch`` runs on this machine, a login node). ``code_dir``: a checkout already on the cluster to
+    run from; without it the committed HEAD of the checkout you launch from is packaged with ``git archive``."""
+
+    account: str | None = None
+    partition: str | None = None
+    time: str | None = None
+    container_image: str | None = None
+    container_mounts: tuple[str, ...] = ()
+    job_dir: str = ""
+    ssh_host: str | None = None
+    ssh_user: str | None = None
+    code_dir: str | None = None
+    retries: int = 20
+    exclusive: bool = True
+
+
+def slurm_executor(options: SlurmOptions, nodes: int, gpus_per_node: int | None, time: str,
+                   env: dict[str, str] | None = None, use_torchrun: bool = True):
+    """One sbatch job of ``nodes`` nodes: one srun task per node running torchrun with ``gpus_per_node`` processes
+    (rendezvous on the first node), requeued on preemption and ``SIGNAL_BEFORE_LIMIT_S`` before the time limit.
+    ``use_torchrun=False``: one plain task (the conversions), no time-limit signal."""
+    run = _nemo_run()
+
+    if options.ssh_host:
+        if not options.job_dir:
+            raise ValueError("--ssh-host needs --job-dir (nemo-run's job directory on the cluster)")
+        tunnel = run.SSHTunnel(host=options.ssh_host, user=options.ssh_user or os.environ.get("USER", ""),
+                               job_dir=options.job_dir)
+    else:
+        tunnel = run.LocalTunnel(job_dir=options.job_dir)
+    mounts = list(options.container_mounts)
+    if options.code_dir:
+        # nemo-run links <job dir>/code to this directory; the container must see it under the same path.
+        packager = run.Packager(symlink_from_remote_dir=options.code_dir)
+        mounts.append(f"{options.code_dir}:{options.code_dir}")
+    else:
+        packager = run.GitArchivePackager(basepath=str(PROJECT_ROOT))
+    return run.SlurmExecutor(
+        account=options.account, partition=options.partition, nodes=nodes,
+        ntasks_per_node=(gpus_per_node or 1) if use_torchrun else 1, gpus_per_node=gpus_per_node,
+        time=options.time or time, exclusive=options.exclusive or None,
+        container_image=options.container_image, container_mounts=mounts,
+        env_vars=dict(env or {}), signal=f"USR1@{SIGNAL_BEFORE_LIMIT_S}" if use_torchrun else None,
+        retries=options.retries,
+        job_name_prefix="dynamo-", tunnel=tunnel, packager=packager,
+        launcher="torchrun" if use_torchrun else None)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """What a dry run produced. ``command``: the launched argv (torchrun ...; Slurm macros such as
+    ``$head_node_ip`` left as the batch script has them); ``script``: the sbatch script (Slurm only);
+    ``task_file``: the serialized task that ``nemo_run.core.runners.fdl_runner`` loads in every process."""
+
+    executor: str
+    command: list[str]
+    env: dict[str, str]
+    script: str | None
+    script_path: Path | None
+    task_file: Path
+    job_dir: Path
+
+
+def render(task, executor, name: str, base_dir: str | os.PathLike) -> Rendered:
+    """Dry run: write everything nemo-run would submit under ``base_dir`` (kept) and return it; submits nothing."""
+    import shlex
+
+    run = _nemo_run()
+
+    with run.Experiment(name, executor=executor, base_dir=str(base_dir), log_level="WARNING",
+                        clean_mode=True) as exp:
+        exp.add(task, name=name)
+        exp.dryrun(log=False, delete_exp_dir=False)
+        job = exp.jobs[0]
+    role = job._executable.roles[0]
+    macros = job.executor.macro_values()
+    if macros is not None:
+        role = macros.apply(role)
+    script = script_path = None
+    if isinstance(job.executor, run.SlurmExecutor):
+        script_path = Path(job.executor.experiment_dir) / f"{job.executor.job_name}_sbatch.sh"
+        script = script_path.read_text()
+    command = [role.entrypoint, *(a for arg in role.args for a in shlex.split(arg))]
+    job_dir = Path(job.executor.job_dir)
+    return Rendered(executor=type(job.executor).__name__, command=command, env=dict(role.env), script=script,
+                    script_path=script_path, task_file=job_dir / "configs" / f"{job.id}_fn_or_script",
+                    job_dir=job_dir)
+
+
+def submit(task, executor, name: str, detach: bool, base_dir: str | os.PathLike | None = None) -> str:
+    """Submit (Slurm: sbatch, returns once queued when ``detach``) or run (local: waits, streams the logs).
+    ``base_dir``: where nemo-run keeps the experiment (default ``~/.nemo_run``). Returns the task's state
+    (torchx ``AppState`` name: SUCCEEDED, FAILED, SUBMITTED, ...)."""
+    run = _nemo_run()
+
+    with run.Experiment(name, executor=executor, base_dir=str(base_dir) if base_dir else None,
+                        log_level="WARNING") as exp:
+        exp.add(task, name=name, tail_logs=not detach)
+        exp.run(detach=detach)
+    state = exp.jobs[0].state  # the experiment's exit waits for a local job (not for a detached Slurm job)
+    return getattr(state, "name", str(state))
+
+
+def load_task(path: str | os.PathLike):
+    """The built task of a serialized task file: a ``functools.partial`` of the entry point (for checks)."""
+    import fiddle as fdl
+    from nemo_run.core.serialization.zlib_json import ZlibJSONSerializer
+
+    return fdl.build(ZlibJSONSerializer().deserialize(Path(path).read_text()))
+
+
+__all__ = ["Rendered", "SlurmOptions", "convert_task", "load_task", "local_executor", "render", "slurm_executor",
+           "submit", "to_config", "train_task"]

@@ -1,0 +1,168 @@
+"""The catalog of cluster recipes: which YAML, how many 8-GPU nodes, which environment, which site paths.
+
+Nothing here imports nemo-run: ``dynamo launch list/show`` and the plain sbatch scripts work without it.
+
+A training recipe is a YAML file under ``configs/`` (the single source of truth for the run) plus the cluster shape
+(nodes x GPUs per node), which a RunConfig has no section for. Site paths are never in the YAML: it names
+``checkpoints/<HF name>``, ``data`` and ``outputs/<recipe>`` relative to the code checkout, and the launcher
+rebases them onto the site's roots (``--ckpt-root``/``--data-dir``/``--output-root`` or the ``DYNAMO_*``
+environment variables) as ordinary ``key=value`` overrides, so the rendered command says exactly what runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from megatron_dynamo.config import ConfigError, build, load_yaml
+from megatron_dynamo.trainer.config import ALGORITHMS, RunConfig, load_run_config
+
+# The project checkout (configs/ is not part of the installed package; the launcher needs an editable install or
+# to be run from the checkout).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    config: str  # YAML path relative to the project root (and to the job's working directory)
+    nodes: int
+    gpus_per_node: int = 8
+    time: str = "24:00:00"  # one Slurm allocation; the job requeues itself and resumes when it runs out
+    description: str = ""
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("qwen2.5-math-1.5b", "configs/qwen2.5-math-1.5b.yaml", nodes=1,
+           description="Qwen2.5-Math-1.5B, 1 node: TP=1 PP=1 DP=8"),
+    Recipe("qwen2.5-math-7b", "configs/qwen2.5-math-7b.yaml", nodes=1,
+           description="Qwen2.5-Math-7B, 1 node: TP=4 (SP) PP=1 DP=2"),
+    Recipe("qwen3-14b", "configs/qwen3-14b.yaml", nodes=2,
+           description="Qwen3-14B, 2 nodes: TP=4 (SP) PP=2 DP=2"),
+)}
+
+# Conversion recipes: name -> `python -m checkpoints_convert` direction. They run on the CPU (the converter hides
+# GPUs), one task on one node.
+CONVERSIONS: dict[str, str] = {
+    "convert-hf-to-megatron": "hf-to-megatron",
+    "convert-megatron-to-hf": "megatron-to-hf",
+}
+
+# The environment of every training process. scripts/slurm/train.sbatch exports the same (a test checks both).
+TRAIN_ENV: dict[str, str] = {
+    # Megatron's tensor/sequence-parallel communication overlap relies on kernels running in issue order.
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    # Compute nodes are often offline; the trainer reads only local files, so never wait on the hub.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    # The reward workers and vLLM fork/spawn after tokenizers are used.
+    "TOKENIZERS_PARALLELISM": "false",
+    # Megatron's recommendation with NCCL: free communication buffers without recordStream bookkeeping.
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "PYTHONUNBUFFERED": "1",
+}
+
+ROOT_ENV = {"ckpt_root": "DYNAMO_CKPT_ROOT", "data_dir": "DYNAMO_DATA_DIR", "output_root": "DYNAMO_OUTPUT_ROOT"}
+
+
+@dataclass(frozen=True)
+class SiteRoots:
+    """Where the site keeps HF checkpoints (``<ckpt_root>/<HF name>``), the JSONL data, and run outputs
+    (``<output_root>/<recipe>``). None keeps the YAML's relative path."""
+
+    ckpt_root: str | None = None
+    data_dir: str | None = None
+    output_root: str | None = None
+
+    @classmethod
+    def from_env(cls, **given: str | None) -> "SiteRoots":
+        """Explicit values win over ``DYNAMO_CKPT_ROOT`` / ``DYNAMO_DATA_DIR`` / ``DYNAMO_OUTPUT_ROOT``."""
+        return cls(**{key: given.get(key) or os.environ.get(env) or None for key, env in ROOT_ENV.items()})
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ConfigError(f"unknown recipe {name!r}; recipes: {', '.join([*RECIPES, *CONVERSIONS])}")
+    return RECIPES[name]
+
+
+def config_path(recipe: Recipe) -> Path:
+    return PROJECT_ROOT / recipe.config
+
+
+def _rebase(value: str, root: str) -> str:
+    """``checkpoints/Qwen3-14B`` on root ``/lustre/models`` -> ``/lustre/models/Qwen3-14B``."""
+    return str(PurePosixPath(root) / PurePosixPath(value).name)
+
+
+def site_overrides(recipe: Recipe, roots: SiteRoots) -> list[str]:
+    """The overrides that put the recipe's relative checkpoint / data / output paths under the site's roots."""
+    yaml_run = build(RunConfig, load_yaml(str(config_path(recipe))))
+    out = []
+    if roots.ckpt_root:
+        if yaml_run.model.checkpoint:
+            out.append(f"model.checkpoint={_rebase(yaml_run.model.checkpoint, roots.ckpt_root)}")
+        if yaml_run.model.tokenizer != "char":
+            out.append(f"model.tokenizer={_rebase(yaml_run.model.tokenizer, roots.ckpt_root)}")
+    if roots.data_dir:
+        out.append(f"data.data_dir={roots.data_dir}")
+    if roots.output_root:
+        out.append(f"trainer.output_dir={_rebase(yaml_run.trainer.output_dir, roots.output_root)}")
+    return out
+
+
+def recipe_overrides(recipe: Recipe, roots: SiteRoots, overrides: list[str] | None = None) -> list[str]:
+    """Site overrides first, the user's after them (a later override of the same key wins)."""
+    return site_overrides(recipe, roots) + list(overrides or [])
+
+
+def load_recipe(recipe: Recipe, overrides: list[str], algo: str = "dynamo") -> RunConfig:
+    """The recipe's RunConfig with overrides, validated as ``dynamo train`` validates it. It stays the recipe's
+    config: the entry point applies ``algo`` (the task carries both, so the rendered task shows the recipe)."""
+    if algo not in ALGORITHMS:
+        raise ConfigError(f"--algo must be one of {ALGORITHMS}, got {algo!r}")
+    return load_run_config(str(config_path(recipe)), overrides)
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    gpus_per_node: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    context_parallel: int
+    data_parallel: int
+    sequence_parallel: bool
+    rollout_tensor_parallel: int
+
+    def describe(self) -> str:
+        sp = " (SP)" if self.sequence_parallel else ""
+        return (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.nodes * self.gpus_per_node} ranks: "
+                f"TP={self.tensor_parallel}{sp} PP={self.pipeline_parallel} CP={self.context_parallel} "
+                f"DP={self.data_parallel}; vLLM TP={self.rollout_tensor_parallel} on rank 0's node")
+
+
+def check_layout(run: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
+    """The parallel layout on ``nodes`` x ``gpus_per_node`` GPUs, or ConfigError if it does not divide (checked
+    before anything is submitted, instead of in every rank after the queue wait)."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise ConfigError(f"nodes and gpus per node must be >= 1, got {nodes} and {gpus_per_node}")
+    world = nodes * gpus_per_node
+    p = run.parallel
+    try:
+        p.validate(world)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if run.rollout.tensor_parallel > gpus_per_node:
+        raise ConfigError(f"rollout.tensor_parallel={run.rollout.tensor_parallel} is more than the "
+                          f"{gpus_per_node} GPUs of rank 0's node (the engine runs there)")
+    return Layout(nodes, gpus_per_node, p.tensor_parallel, p.pipeline_parallel, p.context_parallel,
+                  world // (p.tensor_parallel * p.pipeline_parallel * p.context_parallel), p.sequence_parallel,
+                  run.rollout.tensor_parallel)
+
+
+def train_args(recipe: Recipe, overrides: list[str], algo: str = "dynamo") -> list[str]:
+    """``python -m megatron_dynamo.cli`` arguments of the same run (what scripts/slurm/train.sbatch launches)."""
+    return ["train", recipe.config, *overrides, "--algo", algo, "--resume"]
