@@ -328,7 +328,8 @@ def test_local_recipe_really_trains_through_torchrun_and_resume_starts_fresh(tmp
     test_trainer.py's test_resume_continues_exactly."""
     nemo()
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", E2E, str(out), str(tmp_path / "nemo")], cwd=ROOT,
+    env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "nemo")}  # nemo-run's job registry stays out of $HOME
+    proc = subprocess.run([sys.executable, "-c", E2E, str(out), str(tmp_path / "nemo")], cwd=ROOT, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
