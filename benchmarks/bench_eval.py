@@ -82,7 +82,7 @@ def main() -> None:
 
     print(f"\nEvaluation throughput: {os.path.basename(args.model_config)}, {device}, {','.join(benchmarks)} "
           f"x{args.limit}, n={args.n}, max {args.max_tokens} tokens\n")
-    print(f"| mode | problems | samples | seconds | problems/s | generated tok/s | vs baseline |")
+    print("| mode | problems | samples | seconds | problems/s | generated tok/s | vs baseline |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for mode, problems, samples, seconds, rate, tok_rate in rows:
         print(f"| {mode} | {problems} | {samples} | {seconds:.1f} | {rate:.2f} | {tok_rate:.0f} | "

@@ -124,6 +124,7 @@ def test_entry_train_runs_the_train_command_path_with_resume(monkeypatch):
 
 def test_convert_args_resolve_the_latest_training_checkpoint(tmp_path):
     (tmp_path / "step_000040").mkdir()
+    (tmp_path / "step_000040" / "trainer_state.json").write_text("{}")
     (tmp_path / "latest").write_text("step_000040\n")
     assert entry.convert_args("megatron-to-hf", str(tmp_path), "/out", tp=2, tokenizer="/tok") == [
         "megatron-to-hf", "--megatron", str(tmp_path / "step_000040"), "--out", "/out", "--tokenizer", "/tok",
@@ -472,6 +473,7 @@ def test_convert_sbatch_both_directions(slurm, tmp_path):
     assert proc.returncode == 0, proc.stderr
     ckpts = tmp_path / "checkpoints"
     (ckpts / "step_000200").mkdir(parents=True)
+    (ckpts / "step_000200" / "trainer_state.json").write_text("{}")
     (ckpts / "latest").write_text("step_000200\n")
     proc = _convert(slurm, DIRECTION="megatron-to-hf", SRC=str(ckpts), OUT="/r/hf", TOKENIZER="/m/Qwen3-14B",
                     FORCE="1")

@@ -38,6 +38,23 @@ def _launched_externally() -> bool:
     return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or "SLURM_PROCID" in os.environ
 
 
+def launch_training(run, resume: bool, nproc: int | None = None) -> None:
+    """Train ``run`` (a validated RunConfig) in this process's rank(s): under torchrun/srun this process is one
+    rank; otherwise it runs ``nproc`` local ranks (default tensor x pipeline parallel size), spawning them when
+    more than one. Raises TrainingError / RolloutError / RankError with a message for the user."""
+    from megatron_dynamo.parallel.runtime import detect_launch
+    from megatron_dynamo.parallel.spawn import run_on_ranks
+
+    nproc = nproc or run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+    if _launched_externally():
+        launch = detect_launch()
+        train_on_rank(launch.rank, launch.world_size, run, resume)
+    elif nproc == 1:
+        train_on_rank(0, 1, run, resume)
+    else:
+        run_on_ranks(train_on_rank, nproc, run, resume, describe=_describe)
+
+
 def train_on_rank(rank, world_size, run, resume):
     from megatron_dynamo.trainer.trainer import Trainer
 
@@ -64,16 +81,12 @@ def run(args) -> int:
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 2
-    from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
+    from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.step import RolloutError
     from megatron_dynamo.trainer.trainer import TrainingError
 
-    nproc = args.nproc or cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
     try:
-        if _launched_externally() or nproc == 1:
-            train_on_rank(0, 1, cfg, args.resume)
-        else:
-            run_on_ranks(train_on_rank, nproc, cfg, args.resume, describe=_describe)
+        launch_training(cfg, args.resume, args.nproc)
     except (TrainingError, RolloutError, RankError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 1

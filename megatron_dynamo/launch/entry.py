@@ -10,17 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from megatron_dynamo.trainer.config import RunConfig
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
 
 
 def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
@@ -29,9 +20,9 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
     a warning), so the same task serves the first submission and every requeue."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    from megatron_dynamo.commands.train import _describe, _launched_externally, train_on_rank
+    from megatron_dynamo.commands.train import launch_training
     from megatron_dynamo.config import ConfigError, validate_tree
-    from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
+    from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.config import with_algorithm
     from megatron_dynamo.trainer.step import RolloutError
     from megatron_dynamo.trainer.trainer import TrainingError
@@ -42,22 +33,21 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
     except ConfigError as exc:
         print(f"dynamo launch: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    nproc = run.parallel.tensor_parallel * run.parallel.pipeline_parallel
-    try:
-        if _launched_externally() or nproc == 1:
-            train_on_rank(_rank(), _world_size(), run, resume)
-        else:  # started as a single process (nemo-run's direct mode): spawn the model-parallel ranks here
-            run_on_ranks(train_on_rank, nproc, run, resume, describe=_describe)
+    try:  # under torchrun/srun this process is one rank; a single process spawns the model-parallel ranks
+        launch_training(run, resume)
     except (TrainingError, RolloutError, RankError) as exc:
-        print(f"dynamo launch: rank {_rank()}: {exc}", file=sys.stderr)
+        print(f"dynamo launch: rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', '0'))}: {exc}",
+              file=sys.stderr)
         raise SystemExit(1) from None
 
 
 def resolve_checkpoint(path: str) -> str:
     """A training checkpoint directory (``<output_dir>/checkpoints``, holding ``latest``) -> its latest step
     directory; any other path unchanged. Resolved when the job runs, not when it is submitted."""
-    pointer = Path(path) / "latest"
-    return str(Path(path) / pointer.read_text().strip()) if pointer.is_file() else path
+    from megatron_dynamo.trainer.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(path)
+    return str(latest) if latest is not None else path
 
 
 def convert_args(direction: str, src: str, out: str, tp: int = 1, pp: int = 1, tokenizer: str | None = None,
