@@ -282,8 +282,8 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
                        for r, reward, why, answer in zip(responses, scored.rewards, scored.reasons,
                                                          scored.extracted_answers)]
             _write_lines(samples_path, records, "a")
-            for ex in batch:
-                finished[(bench.name, ex.id)] = [rec for rec in records if rec["problem_id"] == ex.id]
+            for i, ex in enumerate(batch):  # responses come grouped in request order (the engine contract)
+                finished[(bench.name, ex.id)] = records[i * config.n:(i + 1) * config.n]
             tracker.update(bench.name, len(batch))
             if on_batch is not None:
                 on_batch(len(batch))

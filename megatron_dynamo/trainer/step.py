@@ -107,6 +107,17 @@ class StepRunner:
             out.append(tuple(ids[-self.run.data.max_prompt_tokens:]))
         return out
 
+    @contextmanager
+    def engine_awake(self):
+        """Rank 0: the engine awake for a generation phase (rollout, evaluation), asleep again after it when
+        ``rollout.sleep_during_training``. No sleep after a failure: the run ends, and a dead engine cannot sleep."""
+        sleeping = self.run.rollout.sleep_during_training
+        if sleeping:
+            self.engine.wake_up()
+        yield
+        if sleeping:
+            self.engine.sleep()
+
     def _rollout_and_reward(self, step, examples, counts, timer):
         """Rank 0: generate and score; returns (responses as plain tuples, rewards, reward stats, rollout stats)."""
         from megatron_dynamo.rollout.interface import GenerationRequest
@@ -115,12 +126,8 @@ class StepRunner:
             prompt_tokens = self._prompts(examples)  # only the engine needs them; responses carry them on
         requests = [GenerationRequest(prompt_id=ex.id, prompt_token_ids=toks, count=int(n))
                     for ex, toks, n in zip(examples, prompt_tokens, counts)]
-        with timer("rollout"):
-            if self.run.rollout.sleep_during_training:
-                self.engine.wake_up()
+        with timer("rollout"), self.engine_awake():
             responses = self.engine.generate(requests, self.sampling, step=step)
-            if self.run.rollout.sleep_during_training:
-                self.engine.sleep()
         references = {ex.id: ex.references() for ex in examples}
         with timer("reward"):
             scored = self.scorer.score([r.text or "" for r in responses], [references[r.prompt_id] for r in responses],

@@ -86,7 +86,8 @@ class Trainer:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.output_dir / "tokenizer"))
-        self.engine_max_len = min(load_hf_config(run.model.config).get("max_position_embeddings", 4096),
+        self.hf_config = load_hf_config(run.model.config)
+        self.engine_max_len = min(self.hf_config.get("max_position_embeddings", 4096),
                                   run.data.max_prompt_tokens + run.rollout.max_response_tokens)
         self._check_evaluation()
         self._build()
@@ -108,13 +109,11 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
         from megatron_dynamo.data.dataset import PromptSampler
-        from megatron_dynamo.models.qwen import load_hf_config
         from megatron_dynamo.rollout.interface import SamplingConfig
         from megatron_dynamo.trainer.actor import MegatronActor
         from megatron_dynamo.trainer.step import StepRunner
 
         run = self.run
-        self.hf_config = load_hf_config(run.model.config)
         if self.hf_config["vocab_size"] < len(self.tokenizer):
             raise TrainingError(f"model vocab_size {self.hf_config['vocab_size']} is smaller than the tokenizer "
                                 f"({len(self.tokenizer)} tokens)")
@@ -264,18 +263,13 @@ class Trainer:
 
         start = time.perf_counter()
         config = eval_config(self.run, stop_token_ids=self.sampling.stop_token_ids)
-        sleeping = self.run.rollout.sleep_during_training
-        if sleeping:
-            self.engine.wake_up()
         try:
-            summary = evaluate(self.engine, self.tokenizer, self.scorer, config,
-                               self.output_dir / "eval" / step_dir_name(step), model=f"training step {step}",
-                               max_prompt_tokens=self.engine_max_len - 1, progress=False)
+            with self.runner.engine_awake():
+                summary = evaluate(self.engine, self.tokenizer, self.scorer, config,
+                                   self.output_dir / "eval" / step_dir_name(step), model=f"training step {step}",
+                                   max_prompt_tokens=self.engine_max_len - 1, progress=False)
         except (EvalError, OSError) as exc:
             raise TrainingError(f"evaluation after step {step} failed: {exc}") from None
-        finally:
-            if sleeping:
-                self.engine.sleep()
         metrics = {**summary_metrics(summary), "time/eval": time.perf_counter() - start}
         log.info("eval after step %d: %s", step, ", ".join(f"{k.removeprefix('eval/avg/')} {v:.3f}"
                                                              for k, v in metrics.items() if k.startswith("eval/avg/")))
