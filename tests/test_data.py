@@ -10,7 +10,10 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from megatron_dynamo.data import (
     DATA_DIR_ENV,
@@ -191,6 +194,120 @@ def test_sampler_refuses_state_of_other_data():
         PromptSampler(_examples(6), seed=0).load_state_dict(sampler.state_dict())
     with pytest.raises(ValueError):
         PromptSampler([], seed=0)
+
+
+@st.composite
+def _sampler_runs(draw):
+    """(data size N, batch size n <= N, seed, shuffle, number of batches): many batches, so that batches cross
+    epoch boundaries at many offsets (n need not divide N)."""
+    size = draw(st.integers(1, 40))
+    batch = draw(st.integers(1, size))
+    seed = draw(st.integers(0, 2**32 - 1))
+    shuffle = draw(st.booleans())
+    steps = draw(st.integers(1, 4 * size // batch + 6))
+    return size, batch, seed, shuffle, steps
+
+
+def _stream(sampler: PromptSampler, batch: int, steps: int) -> list[list[str]]:
+    return [_ids(sampler.next_batch(batch)) for _ in range(steps)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_sampler_runs())
+@example((10, 4, 0, True, 12)).via("n does not divide N")
+@example((10, 5, 0, True, 8)).via("n divides N")
+@example((7, 7, 1, True, 5)).via("n == N")
+@example((17, 16, 3, True, 20)).via("a batch one short of the data")
+@example((9, 4, 0, False, 10)).via("no shuffling")
+def test_sampler_batches_are_distinct_and_every_epoch_is_a_permutation(run):
+    size, batch, seed, shuffle, steps = run
+    examples = _examples(size)
+    sampler = PromptSampler(examples, seed=seed, shuffle=shuffle)
+    batches = _stream(sampler, batch, steps)
+    for ids in batches:
+        assert len(ids) == batch and len(set(ids)) == batch  # no prompt twice in one batch
+    flat = [i for ids in batches for i in ids]
+    everything = sorted(_ids(examples))
+    for start in range(0, len(flat) - size + 1, size):      # every full epoch-sized chunk is a permutation
+        assert sorted(flat[start:start + size]) == everything
+    tail = flat[len(flat) - len(flat) % size:]               # the unfinished epoch has no repeat either
+    assert len(set(tail)) == len(tail)
+    assert sampler.epoch * size + sampler.position == len(flat)
+    if batch == size:
+        assert all(sorted(ids) == everything for ids in batches)  # each batch is one whole epoch
+
+
+@settings(max_examples=200, deadline=None)
+@given(_sampler_runs(), st.data())
+@example((10, 4, 0, True, 12), None).via("resume right after a straddling batch")
+def test_sampler_resumes_exactly_after_any_batch(run, data):
+    size, batch, seed, shuffle, steps = run
+    examples = _examples(size)
+    reference = _stream(PromptSampler(examples, seed=seed, shuffle=shuffle), batch, steps)
+    stop = 3 if data is None else data.draw(st.integers(0, steps), label="batches before the checkpoint")
+
+    first = PromptSampler(examples, seed=seed, shuffle=shuffle)
+    before = _stream(first, batch, stop)
+    state = first.state_dict()
+    as_stored = json.loads(json.dumps(state))                 # checkpoints keep the state in JSON
+    assert as_stored == state
+    for saved in (state, as_stored):
+        resumed = PromptSampler(examples, seed=seed + 1, shuffle=not shuffle)  # seed and shuffle come from the state
+        resumed.load_state_dict(saved)
+        assert resumed.state_dict() == state
+        assert before + _stream(resumed, batch, steps - stop) == reference
+
+
+@settings(max_examples=100, deadline=None)
+@given(_sampler_runs(), st.integers(1, 50))
+def test_a_batch_larger_than_the_data_is_refused_and_changes_nothing(run, excess):
+    size, batch, seed, shuffle, steps = run
+    sampler = PromptSampler(_examples(size), seed=seed, shuffle=shuffle)
+    twin = PromptSampler(_examples(size), seed=seed, shuffle=shuffle)
+    _stream(sampler, batch, steps)
+    _stream(twin, batch, steps)
+    state = sampler.state_dict()
+    message = f"a batch of {size + excess} prompts needs at least {size + excess} distinct prompts; the data has {size}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sampler.next_batch(size + excess)
+    assert sampler.state_dict() == state
+    assert _stream(sampler, batch, 3) == _stream(twin, batch, 3)
+
+
+def test_sampler_state_without_an_epoch_front_loads_as_before():
+    examples = _examples(13)
+    sampler = PromptSampler(examples, seed=5)
+    _stream(sampler, 4, 2)                                    # mid-epoch 0, no boundary crossed yet
+    state = sampler.state_dict()
+    assert state["epoch_front"] == []
+    old_style = {k: v for k, v in state.items() if k != "epoch_front"}  # as saved before the front existed
+    resumed = PromptSampler(examples, seed=0)
+    resumed.load_state_dict(old_style)
+    assert _stream(resumed, 4, 10) == _stream(sampler, 4, 10)
+    assert _stream(PromptSampler(examples, seed=5), 13, 1)[0] == [f"t:{i}" for i in
+                                                                   np.random.default_rng((5, 0)).permutation(13)]
+    bad = dict(state, epoch_front=[1, 1])
+    with pytest.raises(ValueError, match="epoch_front"):
+        PromptSampler(examples).load_state_dict(bad)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_sampler_has_no_duplicate_prompt_at_the_measured_scale(seed):
+    """Regression: 17,917 prompts (DAPO-Math-17k's size) at 512 per step repeated a prompt inside the batch
+    that crossed an epoch boundary (step 105 or 210, depending on the seed), crashing the rollout."""
+    size, batch = 17_917, 512
+    examples = [MathExample(id=str(i), problem="p", answer="a") for i in range(size)]
+    sampler = PromptSampler(examples, seed=seed)
+    seen_this_epoch: set[str] = set()
+    for step in range(250):
+        ids = _ids(sampler.next_batch(batch))
+        assert len(set(ids)) == batch, f"seed {seed}: a prompt twice in the batch of step {step}"
+        for i in ids:
+            assert i not in seen_this_epoch, f"seed {seed}: {i} twice in one epoch (step {step})"
+            seen_this_epoch.add(i)
+            if len(seen_this_epoch) == size:
+                seen_this_epoch = set()
+    assert sampler.epoch == 250 * batch // size
 
 
 # --- templates ------------------------------------------------------------------------------------------------

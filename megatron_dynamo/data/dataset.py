@@ -297,11 +297,22 @@ def _fingerprint(examples: Sequence[MathExample]) -> str:
 class PromptSampler:
     """Seeded shuffling over examples, epoch after epoch, with an exactly resumable position.
 
-    Epoch ``e`` visits the examples in the order of a permutation drawn from ``numpy.random.default_rng((seed,
-    e))`` (each epoch reshuffled, independently of other seeds' epochs). :meth:`next_batch` continues across
-    epoch boundaries, so a batch may end one epoch and start the next; a batch larger than the data holds
-    repeats. ``state_dict()`` / ``load_state_dict()`` carry (seed, epoch, position) plus a fingerprint of the
-    data, and a resumed sampler yields exactly the batches the original would have.
+    Semantics:
+
+    - Epoch ``e`` visits every example exactly once: the stream of all examples handed out, cut into
+      consecutive chunks of ``len(data)``, is a permutation of the data in every chunk.
+    - No batch holds an example twice. A batch may end epoch ``e`` and start epoch ``e + 1``; then epoch
+      ``e + 1`` cannot simply start with its own shuffle, whose first entries may already be in the batch.
+    - Epoch ``e``'s order is the permutation drawn from ``numpy.random.default_rng((seed, e))`` (each epoch
+      reshuffled, independently of other seeds' epochs), except after a straddling batch: when a batch of ``n``
+      took the last ``r`` examples of epoch ``e``, epoch ``e + 1``'s permutation is stably rearranged so that
+      its first ``n - r`` entries (its *front*) are the first ``n - r`` examples of that permutation that are
+      not in the batch; the others keep their relative order.
+    - ``next_batch(n)`` needs ``n <= len(data)`` (``n == len(data)`` hands out one whole epoch per batch);
+      a larger ``n`` raises ``ValueError`` and changes nothing.
+    - ``state_dict()`` / ``load_state_dict()`` carry (seed, epoch, position, the current epoch's front) plus a
+      fingerprint of the data, and a resumed sampler yields exactly the batches the original would have. A
+      state saved without a front (older checkpoints) loads with an empty one, i.e. the plain permutation.
     """
 
     def __init__(self, examples: Sequence[MathExample], seed: int = 0, shuffle: bool = True):
@@ -313,36 +324,56 @@ class PromptSampler:
         self._fingerprint = _fingerprint(self._examples)
         self.epoch = 0
         self.position = 0
+        self._front: list[int] = []
         self._order = self._epoch_order(0)
 
     def __len__(self) -> int:
         return len(self._examples)
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
+    def _permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(len(self._examples))
         return np.random.default_rng((self.seed, epoch)).permutation(len(self._examples))
 
+    def _epoch_order(self, epoch: int, front: Sequence[int] = ()) -> np.ndarray:
+        """Epoch ``epoch``'s order: ``front`` first, then the rest of its permutation in permutation order."""
+        permutation = self._permutation(epoch)
+        if not len(front):
+            return permutation
+        moved = np.zeros(len(permutation), dtype=bool)
+        moved[np.asarray(front, dtype=np.int64)] = True
+        return np.concatenate([np.asarray(front, dtype=permutation.dtype), permutation[~moved[permutation]]])
+
     def next_batch(self, n: int) -> list[MathExample]:
-        """The next ``n`` examples."""
+        """The next ``n`` distinct examples (``0 <= n <= len(data)``)."""
         if n < 0:
             raise ValueError(f"batch size must be >= 0, got {n}")
-        batch: list[MathExample] = []
-        while len(batch) < n:
-            take = min(n - len(batch), len(self._order) - self.position)
-            batch.extend(self._examples[i] for i in self._order[self.position:self.position + take])
-            self.position += take
-            if self.position == len(self._order):
-                # Advance eagerly: (epoch, position) always names the next example to come.
-                self.epoch += 1
-                self.position = 0
-                self._order = self._epoch_order(self.epoch)
-        return batch
+        if n > len(self._examples):
+            raise ValueError(f"a batch of {n} prompts needs at least {n} distinct prompts; the data has "
+                             f"{len(self._examples)}")
+        take = min(n, len(self._order) - self.position)
+        indices = [int(i) for i in self._order[self.position:self.position + take]]
+        self.position += take
+        if self.position == len(self._order):
+            # Advance eagerly: (epoch, position) always names the next example to come. The batch's remainder
+            # comes from the next epoch, front-loaded with the first of its examples the batch does not hold.
+            # n <= len(data) leaves enough of them and keeps the remainder inside the new epoch.
+            remainder = n - take
+            in_batch = set(indices)
+            front = [int(i) for i in self._permutation(self.epoch + 1) if int(i) not in in_batch][:remainder] \
+                if remainder else []
+            self.epoch += 1
+            self.position = remainder
+            self._front = front
+            self._order = self._epoch_order(self.epoch, front)
+            indices.extend(front)
+        return [self._examples[i] for i in indices]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state (JSON/pickle friendly) to save in a checkpoint."""
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "shuffle": self.shuffle,
-                "num_examples": len(self._examples), "fingerprint": self._fingerprint}
+                "num_examples": len(self._examples), "fingerprint": self._fingerprint,
+                "epoch_front": list(self._front)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved state; the data must be the same (same ids in the same order)."""
@@ -353,8 +384,14 @@ class PromptSampler:
         position = int(state["position"])
         if not 0 <= position < len(self._examples):
             raise ValueError(f"sampler position {position} out of range")
+        front = [int(i) for i in state.get("epoch_front") or ()]
+        if (len(set(front)) != len(front) or not all(0 <= i < len(self._examples) for i in front)
+                or len(front) > position):
+            raise ValueError(f"sampler epoch_front is not {len(front)} distinct example indices handed out "
+                             f"before position {position}")
         self.seed = int(state["seed"])
         self.shuffle = bool(state.get("shuffle", True))
         self.epoch = int(state["epoch"])
         self.position = position
-        self._order = self._epoch_order(self.epoch)
+        self._front = front
+        self._order = self._epoch_order(self.epoch, front)
