@@ -242,6 +242,8 @@ def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path, caps
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["model"] == str(megatron.absolute())
     assert summary["settings"]["template"] == "qwen_math_boxed" and summary["k"] == [1, 2]
+    # EOS (the model's generation_config.json: 0) and ChatML's <|im_end|>, as in training rollouts.
+    assert summary["settings"]["stop_token_ids"] == [0, 2]
     assert {b: r["samples"] for b, r in summary["benchmarks"].items()} == {"aime24": 4, "minerva": 4}
     assert (out / "hf_model" / "config.json").is_file() and len(_lines(out / "samples.jsonl")) == 8
 

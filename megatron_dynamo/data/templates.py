@@ -10,6 +10,9 @@ Registered templates:
 
 The Qwen markup is rendered as a string here, so no tokenizer is needed; given a tokenizer that has a chat
 template, a chat template is rendered with that instead (right for non-Qwen chat models).
+
+A chat template names the token that ends the model's turn (``end_of_turn``: ``<|im_end|>`` for ChatML); generation
+stops there (see :func:`megatron_dynamo.data.stopping.stop_token_ids`). Plain templates have none.
 """
 
 from __future__ import annotations
@@ -20,18 +23,22 @@ from typing import Any
 PROBLEM_PLACEHOLDER = "{problem}"
 DEFAULT_TEMPLATE = "qwen_math_boxed"
 QWEN_MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+#: ChatML's end of a turn: where a Qwen chat model's answer ends.
+QWEN_END_OF_TURN = "<|im_end|>"
 
 
 @dataclass(frozen=True)
 class PromptTemplate:
     """A prompt format. ``user`` holds the literal ``{problem}`` placeholder (substituted, never ``str.format``:
-    problems and prompts are full of LaTeX braces)."""
+    problems and prompts are full of LaTeX braces). ``end_of_turn``: the token with which the model ends its
+    answer in this format (ChatML: ``<|im_end|>``), a stop token of generation; None for plain text formats."""
 
     name: str
     user: str
     system: str | None = None
     chat: bool = False
     description: str = ""
+    end_of_turn: str | None = None
 
     def __post_init__(self) -> None:
         if PROBLEM_PLACEHOLDER not in self.user:
@@ -97,6 +104,7 @@ register_template(PromptTemplate(
     user=PROBLEM_PLACEHOLDER,
     chat=True,
     description="Qwen2.5-Math chat format with the boxed-answer system prompt (default)",
+    end_of_turn=QWEN_END_OF_TURN,
 ))
 register_template(PromptTemplate(
     name="plain",

@@ -8,7 +8,9 @@
   complete checkpoint.
 
 A training checkpoint also tells the evaluation how the run built its prompts (``data.template``), so that the
-default template is the one the model was trained with.
+default template is the one the model was trained with. Generation stops at the same tokens as the run's rollouts:
+:meth:`ModelSource.stop_token_ids` (the model directory's ``generation_config.json``, which a converted checkpoint
+carries from its ``hf/``, and the template's end of turn).
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ class ModelSource:
     source: Path
     is_megatron: bool
     training_config: dict | None
+
+    def stop_token_ids(self, tokenizer, template: str,
+                       tokenizer_dir: str | os.PathLike | None = None) -> tuple[int, ...]:
+        """The ids that end a response of this model (see :func:`megatron_dynamo.data.stopping.stop_token_ids`):
+        ``generation_config.json`` is looked for in ``hf_dir`` and in ``tokenizer_dir`` (``--tokenizer``); a
+        malformed one is an EvalError."""
+        from megatron_dynamo.data.stopping import GenerationConfigError, stop_token_ids
+
+        try:
+            return stop_token_ids(tokenizer, template, [self.hf_dir, tokenizer_dir])
+        except GenerationConfigError as exc:
+            raise EvalError(str(exc)) from None
 
 
 def _is_hf_dir(path: Path) -> bool:

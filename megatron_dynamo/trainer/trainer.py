@@ -130,9 +130,22 @@ class Trainer:
         eos = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         self.rollout_dtype = torch.bfloat16 if (torch.cuda.is_available() and run.model.dtype == "bf16") else torch.float32
+        # Stop where the model's turn ends: the tokenizer's EOS, the model's generation_config.json end tokens (its
+        # HF directory, a Megatron checkpoint's hf/, the tokenizer directory) and the template's end of turn.
+        from megatron_dynamo.data.stopping import GenerationConfigError, copy_generation_config, stop_token_ids
+
+        model_dirs = [run.model.tokenizer]
+        if run.model.checkpoint:
+            model_dirs.insert(0, run.model.checkpoint if hf_weights is not None else Path(run.model.checkpoint) / "hf")
+        try:
+            stop_ids = stop_token_ids(self.tokenizer, run.data.template, model_dirs)
+            if self.rank == 0:  # saved checkpoints (hf/) and the exported model carry it from the tokenizer dir
+                copy_generation_config(model_dirs, self.output_dir / "tokenizer")
+        except (GenerationConfigError, OSError) as exc:
+            raise TrainingError(str(exc)) from None
         self.sampling = SamplingConfig(temperature=run.rollout.temperature, top_p=run.rollout.top_p,
                                        max_tokens=run.rollout.max_response_tokens, seed=run.trainer.seed,
-                                       stop_token_ids=(eos,) if eos is not None else ())
+                                       stop_token_ids=stop_ids)
         self.engine = self._build_engine() if self.rank == 0 else None
         self.scorer = None
         if self.rank == 0:
