@@ -194,13 +194,11 @@ def _entropy_range(entropy: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Te
 
 
 def _reduce_scope(packed: torch.Tensor, group: Any) -> torch.Tensor:
+    """MAX all-reduce over ``group``, on the entropies' device: the group's (NCCL: the GPU, gloo: the CPU)."""
     import torch.distributed as dist  # only when a group is given
 
-    device = packed.device
-    if dist.get_backend(group) == "gloo" and device.type != "cpu":
-        packed = packed.cpu()
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    return packed.to(device)
+    return packed
 
 
 def modulation_scope(batches: ModulationInputs | Sequence[ModulationInputs], cfg: ModulationConfig | None = None,

@@ -11,6 +11,7 @@ rope scaling, other activations) is rejected with an error that names the config
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -232,14 +233,36 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: QwenArchitecture, use_te: bool | None = None):
-    """The TE layer spec when TE is usable (or ``use_te=True``), else Megatron's pure-PyTorch local spec."""
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for the local spec under sequence parallelism (Megatron's own torch norm refuses it).
+
+    Each TP rank normalises its slice of the sequence with the full (replicated) weight, so the weight's gradient
+    is a partial sum per rank; the ``sequence_parallel`` attribute makes Megatron's ``finalize_model_grads``
+    all-reduce it over the TP group, as it does for Transformer Engine's norms."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(arch: QwenArchitecture, use_te: bool | None = None, config=None, vp_stage: int | None = None):
+    """The TE layer spec when TE is usable (or ``use_te=True``), else Megatron's pure-PyTorch local spec. With a
+    ``config`` asking for sequence parallelism, the local spec becomes a block spec whose norms (each layer's and
+    the final one) are :class:`SequenceParallelRMSNorm`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = te_available() if use_te is None else use_te
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    if config is None or not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm))
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(arch: QwenArchitecture | dict[str, Any] | str, dtype: str | torch.dtype = "fp32",
@@ -264,7 +287,7 @@ def build_gpt_model(arch: QwenArchitecture | dict[str, Any] | str, dtype: str | 
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, use_te),
+        transformer_layer_spec=layer_spec(arch, use_te, config, vp_stage),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

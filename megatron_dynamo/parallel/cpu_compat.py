@@ -7,7 +7,8 @@ megatron-core assumes CUDA in a handful of places that are not about computation
 of those to the CPU, once per process, and only when CUDA is absent: :func:`install` is a no-op on a GPU machine.
 
 What it does:
-- ``torch.cuda.current_device`` returns 0, ``synchronize``/``set_device``/``empty_cache`` do nothing, and
+- ``torch.cuda.current_device`` returns 0 (the CPU device inside backward passes, where modes are off),
+  ``synchronize``/``set_device``/``empty_cache`` do nothing, and
   ``torch.cuda.Stream``/``Event``/``stream`` become CPU no-ops.
 - A ``TorchFunctionMode`` maps any CUDA device argument (``"cuda"``, ``"cuda:0"``, ``0``, ``torch.device("cuda")``)
   to the CPU, makes ``Tensor.cuda()`` return the tensor, and makes ``Tensor.type()`` report the CUDA type names
@@ -71,8 +72,15 @@ class _NoOpStream:
         return lambda *args, **kwargs: None
 
 
+def _current_device():
+    """0 as the CUDA ordinal megatron expects, mapped to the CPU by the function mode; inside a backward pass, where
+    the autograd engine runs without torch function modes (e.g. sequence parallelism's reduce-scatter buffers in
+    megatron's backward), the CPU device itself."""
+    return torch.device("cpu") if torch._C._current_graph_task_id() >= 0 else 0
+
+
 def _patch_torch_cuda() -> None:
-    torch.cuda.current_device = lambda: 0
+    torch.cuda.current_device = _current_device
     torch.cuda.set_device = lambda device: None
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.empty_cache = lambda: None

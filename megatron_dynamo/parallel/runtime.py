@@ -33,7 +33,9 @@ for _pattern in (".*Apex is not installed.*", ".*Transformer Engine and Apex are
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The model-parallel layout. The data-parallel size is what is left: world_size / (tp * pp * cp)."""
+    """The model-parallel layout. The data-parallel size is what is left: world_size / (tp * pp * cp).
+    ``sequence_parallel`` splits the activations outside the tensor-parallel regions over the TP ranks (needs
+    TP > 1). ``context_parallel`` must stay 1 for now (refused with an error)."""
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
@@ -49,6 +51,10 @@ class ParallelConfig:
             raise ValueError("parallel.virtual_pipeline_parallel must be None or >= 1")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("parallel.sequence_parallel needs tensor_parallel > 1")
+        if self.context_parallel > 1:
+            # Megatron would run, but on whole sequences in every CP rank's attention: wrong inputs, silently.
+            raise ValueError("parallel.context_parallel > 1 is not supported yet (sequences are not split over "
+                             "context-parallel ranks); use tensor/pipeline parallelism with sequence_parallel")
         if world_size is not None:
             model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
             if world_size % model_parallel:
@@ -166,7 +172,7 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
         context_parallel_size=parallel.context_parallel,
     )
     seed_everything(seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    device = current_device()
     return RuntimeInfo(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device,
         backend=dist.get_backend(),
@@ -178,6 +184,27 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
         dp_size=parallel_state.get_data_parallel_world_size(),
         cp_size=parallel_state.get_context_parallel_world_size(),
     )
+
+
+def current_device() -> torch.device:
+    """The device this process trains on: its GPU, else the CPU (a simulated GPU inside
+    :func:`megatron_dynamo.parallel.device_check.simulated_gpu_placement`). Model inputs and every tensor given to
+    a collective of the training process groups live here."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    from megatron_dynamo.parallel import device_check
+
+    return device_check.SIMULATED_DEVICE if device_check.is_active() else torch.device("cpu")
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective over ``group`` must live: the training device for NCCL groups, the CPU for
+    gloo groups (every group of a CPU run; a gloo side group on a GPU node)."""
+    from megatron_dynamo.parallel import device_check
+
+    if "nccl" in str(dist.get_backend(group)) or device_check.is_active():
+        return current_device()
+    return torch.device("cpu")
 
 
 def shutdown() -> None:

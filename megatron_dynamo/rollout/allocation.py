@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_dynamo.algorithms import (AllocationConfig, PromptHistory, plan_rollouts, predicted_variance_ratio,
                                         prompt_variances)
+from megatron_dynamo.parallel.runtime import collective_device
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,6 @@ def compute_counts(history: PromptHistory, prompt_ids: Sequence[Any], cfg: Alloc
     return counts, float(ratio)
 
 
-def _collective_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" or (torch.cuda.is_available() and "nccl" in str(backend)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def allocate_counts(history: PromptHistory | None, prompt_ids: Sequence[Any], cfg: AllocationConfig,
                     group: Any = None, src: int = 0) -> RolloutAllocation:
     """Counts for ``prompt_ids`` (same order on every rank), computed on global rank ``src`` and broadcast over
@@ -88,7 +82,7 @@ def allocate_counts(history: PromptHistory | None, prompt_ids: Sequence[Any], cf
     if not distributed:
         return RolloutAllocation(tuple(str(i) for i in ids), tuple(int(c) for c in counts), ratio)
 
-    device = _collective_device(group)
+    device = collective_device(group)
     digest = prompt_ids_digest(ids)
     # [digest, ratio as float64 bits, counts...] in one int64 broadcast.
     payload = torch.empty(len(ids) + 2, dtype=torch.int64, device=device)

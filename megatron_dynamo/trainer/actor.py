@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -20,6 +21,7 @@ import torch
 from megatron_dynamo.models.mappings import load_hf_weights, unwrap_model
 from megatron_dynamo.models.qwen import (QwenArchitecture, build_gpt_model, load_hf_config, parse_qwen_config,
                                          te_available)
+from megatron_dynamo.parallel.runtime import current_device
 
 MicroBatch = dict[str, torch.Tensor]
 # loss_fn(logits_shard [B, S, vocab/tp] fp32, micro_batch) -> (scalar loss, metrics dict)
@@ -94,8 +96,9 @@ class MegatronActor:
         config_overrides.setdefault("calculate_per_token_loss", True)
         self.chunks = [build_gpt_model(self.arch, dtype, vp_stage=vp, use_te=use_te, **config_overrides)
                        for vp in stages]
+        self.device = current_device()
         for chunk in self.chunks:
-            chunk.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+            chunk.to(self.device)
         self.config = unwrap_model(self.chunks[0]).config
         self.use_te = te_available() if use_te is None else use_te
         if hf_weights is not None:
@@ -139,6 +142,8 @@ class MegatronActor:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        # Model inputs on the model's device (a no-op for micro-batches built there, as the trainer's are).
+        micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # Pipeline stages exchange activations of one shape (given to the schedule below).
             micro_batches = pad_micro_batches(micro_batches)
@@ -179,12 +184,29 @@ class MegatronActor:
             self.optimizer.zero_grad()
 
     def optimizer_step(self) -> StepResult:
-        """Clip gradients (optim.clip_grad), step the optimizer, and zero the gradient buffers."""
+        """Clip gradients (optim.clip_grad), step the optimizer, and zero the gradient buffers.
+
+        Without a loss scaler (fp32, and bf16 here) Megatron's optimizer steps on NaN/inf gradients. So the
+        gradients are checked first: their global norm (over the model-parallel shards) must be finite on every
+        rank, else nothing is stepped, the weights and the optimizer state stay as they are, and the result says
+        ``update_successful=False``."""
         if self.optimizer is None:
             raise RuntimeError("this actor was built without an optimizer (optim=None)")
-        ok, grad_norm, _ = self.optimizer.step()
+        found_inf = bool(self.optimizer.prepare_grads())  # main grads ready; True only with a loss scaler
+        grad_norm = float(self.optimizer.get_grad_norm() or 0.0)
+        finite = torch.tensor([0.0 if found_inf or not math.isfinite(grad_norm) else 1.0], device=self.device)
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if finite.item() == 0:
+            self.zero_grad()
+            return StepResult(False, grad_norm)
+        ok, clipped_norm, _ = self.optimizer.step()
         self.zero_grad()
-        return StepResult(bool(ok), None if grad_norm is None else float(grad_norm))
+        return StepResult(bool(ok), grad_norm if clipped_norm is None else float(clipped_norm))
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Sequence lengths must be a multiple of this: the TP size under sequence parallelism, else 1."""
+        return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
 
     def named_parameters(self):
         """This rank's parameters with Megatron names (no DDP/Float16Module prefixes), chunk by chunk."""

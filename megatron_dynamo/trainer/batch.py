@@ -57,13 +57,16 @@ def response_token_count(samples: list[Sample]) -> int:
 
 
 def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_token_id: int,
-                       num_micro_batches: int | None = None, fixed_shape: bool = True) -> list[dict[str, torch.Tensor]]:
+                       num_micro_batches: int | None = None, fixed_shape: bool = True,
+                       device: torch.device | str = "cpu", seq_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
     """Pack samples into micro-batches of ``micro_batch_size`` rows.
 
     ``fixed_shape`` (needed with pipeline parallelism, whose stages exchange fixed-shape activations) pads the
     last micro-batch with empty rows; without it the last one is just shorter. ``num_micro_batches`` forces a
     count (padding with all-empty micro-batches) so that every rank of a pipeline runs the same schedule. Each micro-batch holds ``input_ids``, ``labels``, ``loss_mask``
-    ([B, S]), ``advantages`` and ``sample_index`` ([B]; -1 for padding rows).
+    ([B, S]), ``advantages`` and ``sample_index`` ([B]; -1 for padding rows), on ``device`` (built on the CPU, moved
+    once). S is the longest sequence rounded up to a multiple of ``seq_multiple`` (sequence parallelism splits S
+    over the TP ranks).
     """
     count = max(1, -(-len(samples) // micro_batch_size))
     if num_micro_batches is not None:
@@ -71,6 +74,7 @@ def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_token_i
             raise ValueError(f"{len(samples)} samples need {count} micro-batches, {num_micro_batches} requested")
         count = num_micro_batches
     seq_len = max([len(s.prompt_tokens) + len(s.response_tokens) - 1 for s in samples] or [1])
+    seq_len = -(-seq_len // seq_multiple) * seq_multiple
     micro_batches = []
     for m in range(count):
         rows = samples[m * micro_batch_size:(m + 1) * micro_batch_size]
@@ -89,8 +93,9 @@ def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_token_i
             loss_mask[row, prompt_len - 1:n] = 1.0
             advantages[row] = sample.advantage
             sample_index[row] = sample.index
-        micro_batches.append({"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask,
-                              "advantages": advantages, "sample_index": sample_index})
+        batch = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "advantages": advantages,
+                 "sample_index": sample_index}
+        micro_batches.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
     return micro_batches
 
 
@@ -111,5 +116,5 @@ def gather_token_values(micro_batch: dict[str, torch.Tensor], token_values: torc
     out = {}
     for row, index in enumerate(micro_batch["sample_index"].tolist()):
         if index >= 0:
-            out[index] = token_values[row][micro_batch["loss_mask"][row].bool()].detach().cpu()
+            out[index] = token_values[row][micro_batch["loss_mask"][row].bool()].detach()
     return out

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_dynamo.models.checkpoint_io import (fsync_tree, load_model_checkpoint, model_sharded_state_dict,
                                                    save_model_checkpoint, write_checkpoint_info)
+from megatron_dynamo.parallel.runtime import collective_device
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
@@ -148,7 +149,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, train
 
 
 def _raise_if_any_rank_failed(error: BaseException | None, tmp: Path, what: str) -> None:
-    failed = torch.tensor([0 if error is None else 1])
+    failed = torch.tensor([0 if error is None else 1], device=collective_device())
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
         if dist.get_rank() == 0:

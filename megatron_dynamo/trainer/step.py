@@ -197,7 +197,8 @@ class StepRunner:
         shard = shard_for_rank(samples, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         # Only pipeline stages need every micro-batch to have the same shape; padding rows costs compute.
         return make_micro_batches(shard, self.run.trainer.micro_batch_size, self.pad_token_id, num_micro,
-                                  fixed_shape=ps.get_pipeline_model_parallel_world_size() > 1)
+                                  fixed_shape=ps.get_pipeline_model_parallel_world_size() > 1,
+                                  device=self.actor.device, seq_multiple=self.actor.sequence_multiple)
 
     def _num_micro(self, samples: list[Sample]) -> int:
         """The same number of micro-batches on every DP rank (the largest share decides), so that the ranks of
@@ -239,7 +240,7 @@ class StepRunner:
             local["entropy_mean"] = (float(entropies.sum()), float(entropies.numel()))
         modulation = run.dynamo.modulation
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
-        grad_norms, skipped = [], []
+        grad_norms, skipped, optimizer_steps = [], [], 0
         for epoch in range(run.trainer.ppo_epochs):
             for index, (mini, micro) in enumerate(plans):
                 scope = None
@@ -256,18 +257,21 @@ class StepRunner:
                                          run.dynamo.token_stats_chunk)
                 with timer("train"):
                     results = self.actor.forward_backward(micro, loss_fn)
-                    loss = torch.tensor([sum(float(r["loss"]) for r in results)])
-                    finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0])
+                    loss = sum(float(r["loss"]) for r in results)
+                    finite = torch.tensor([1.0 if math.isfinite(loss) else 0.0], device=self.actor.device)
                     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
                     if finite.item() == 0:
                         self.actor.zero_grad()
                         skipped.append(f"non-finite loss at epoch {epoch} mini-batch {index}")
                         continue
+                    # The actor checks the gradients before stepping: a non-finite one leaves the weights as they are.
                     result = self.actor.optimizer_step()
-                    if result.grad_norm is not None and math.isfinite(result.grad_norm):
-                        grad_norms.append(result.grad_norm)
-                    elif result.grad_norm is not None:
-                        skipped.append(f"non-finite grad norm at epoch {epoch} mini-batch {index}")
+                    if not result.update_successful:
+                        skipped.append(f"non-finite gradient at epoch {epoch} mini-batch {index}")
+                    else:
+                        optimizer_steps += 1
+                        if result.grad_norm is not None:
+                            grad_norms.append(result.grad_norm)
                 if _is_metric_rank():
                     for r in results:
                         n = float(r.get("actor/num_tokens", 0.0))
@@ -283,7 +287,7 @@ class StepRunner:
             local = {}
         metrics = _collect_metric_sums(local)
         metrics["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
-        metrics["optimizer_steps"] = len(grad_norms)
+        metrics["optimizer_steps"] = optimizer_steps
         if skipped:
             metrics["skipped"] = "; ".join(skipped)
         return metrics

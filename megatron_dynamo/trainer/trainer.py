@@ -118,7 +118,8 @@ class Trainer:
             raise TrainingError(f"model vocab_size {self.hf_config['vocab_size']} is smaller than the tokenizer "
                                 f"({len(self.tokenizer)} tokens)")
         hf_weights = _hf_weight_source(run.model.checkpoint)
-        self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights)
+        self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
+                                   sequence_parallel=run.parallel.sequence_parallel)
         if run.model.checkpoint and hf_weights is None:
             from megatron_dynamo.models.checkpoint_io import load_model_checkpoint
 
@@ -204,7 +205,7 @@ class Trainer:
             from megatron.core import parallel_state
 
             own = results and parallel_state.get_tensor_model_parallel_rank() == 0
-            loss = torch.tensor([sum(float(r["loss"]) for r in results) if own else 0.0])
+            loss = torch.tensor([sum(float(r["loss"]) for r in results) if own else 0.0], device=self.actor.device)
             dist.all_reduce(loss)  # the last stage's DP ranks hold the parts of the token mean
             losses.append(loss.item())
         set_learning_rate(self.actor, run.optim.lr)
