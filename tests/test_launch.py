@@ -37,7 +37,7 @@ def nemo():
     try:
         from megatron_dynamo.launch import nemo as module
     except ImportError as exc:  # pragma: no cover - scripts/run_tests.sh installs it
-        pytest.fail(f"nemo-run is not importable ({exc}): see the install line in scripts/run_tests.sh")
+        pytest.fail(f"nemo-run is not importable ({exc}): scripts/run_tests.sh installs it from requirements-cpu.lock")
     module._nemo_run()
     return module
 
