@@ -44,6 +44,8 @@ def test_first_slurm_host(nodelist, first):
     (ParallelConfig(tensor_parallel=0), 1, "tensor_parallel"),
     (ParallelConfig(tensor_parallel=2, pipeline_parallel=2), 6, "not divisible"),
     (ParallelConfig(sequence_parallel=True), 1, "sequence_parallel"),
+    # Accepted before, and then trained on unsplit sequences in every context-parallel rank.
+    (ParallelConfig(context_parallel=2), 2, "context_parallel > 1 is not supported yet"),
 ])
 def test_bad_layouts_are_rejected(cfg, world, msg):
     with pytest.raises(ValueError, match=msg):

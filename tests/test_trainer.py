@@ -188,10 +188,22 @@ def test_training_run_writes_metrics_checkpoints_and_plot(uninterrupted):
 
 @pytest.mark.slow
 def test_resume_continues_exactly(uninterrupted, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
     _, full, _ = uninterrupted
     first, _ = _train(tmp_path, "trainer.steps=2", *_eval_args(tmp_path))
+    # A crash after step 3 was logged but before its checkpoint: its row and scalars are on disk, then a torn line.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "reward_mean": -1.0}) + '\n{"step": 4, "rew')
+    with SummaryWriter(str(tmp_path / "tensorboard")) as writer:
+        writer.add_scalar("reward_mean", -1.0, 3)
     resumed, _ = _train(tmp_path, "trainer.steps=4", "--resume", *_eval_args(tmp_path))
     assert [m["step"] for m in first] == [0, 1, 2] and [m["step"] for m in resumed] == [0, 1, 2, 3, 4]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("reward_mean")]
+    assert [step for step, _ in scalars] == [1, 2, 3, 4] and -1.0 not in [value for _, value in scalars]
     for a, b in zip(full, resumed):
         assert a.get("alloc_counts") == b.get("alloc_counts"), a["step"]
         for key in ("reward_mean", "loss", "entropy_mean", "grad_norm", "eval/avg/pass@1", "eval/avg/pass@4"):
@@ -282,3 +294,51 @@ def test_tp2_pp2_and_dp2_runs_match_tp1(uninterrupted, tmp_path):
             assert a["alloc_counts"] == b["alloc_counts"] and a["reward_mean"] == b["reward_mean"], name
             for key in ("loss", "entropy_mean", "grad_norm"):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.train=/nonexistent/train.jsonl", "data.train: dataset file not found: /nonexistent/train.jsonl"),
+    ("model.checkpoint=/nonexistent/model", "model.checkpoint: no such directory: /nonexistent/model"),
+    ("model.config=/nonexistent/config.json", "model.config: no such file: /nonexistent/config.json"),
+    ("model.tokenizer=/nonexistent/tok", "model.tokenizer: no such directory: /nonexistent/tok"),
+    ("data.prompts_per_step=256", "data.prompts_per_step (256) exceeds data.synthetic_problems (128)"),
+])
+def test_missing_inputs_fail_in_one_line_before_any_rank_starts(tmp_path, override, message):
+    extra = ["trainer.mini_batch_prompts=256"] if "prompts_per_step" in override else []
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT,
+                           f"trainer.output_dir={tmp_path / 'run'}", override, *extra],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dynamo train: ") and message in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # nothing was built or written
+
+
+def test_a_checkpoint_directory_that_is_not_a_model_is_refused(tmp_path):
+    from megatron_dynamo.trainer.preflight import check_run_inputs
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="neither an HF model directory"):
+        check_run_inputs(load_run_config(CPU_DEFAULT, [f"model.checkpoint={tmp_path / 'ckpt'}"]))
+    (tmp_path / "ckpt" / "megatron_dynamo.json").write_text("not json")
+    with pytest.raises(ConfigError, match="model.checkpoint: .*not valid JSON"):
+        check_run_inputs(load_run_config(CPU_DEFAULT, [f"model.checkpoint={tmp_path / 'ckpt'}"]))
+    check_run_inputs(load_run_config(CPU_DEFAULT))  # the CPU default's inputs are all there
+
+
+def test_a_data_set_smaller_than_a_step_is_refused_before_the_model(tmp_path):
+    from megatron_dynamo.trainer.preflight import check_run_inputs
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "problem": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    run = load_run_config(CPU_DEFAULT, ["data.train=" + str(path), "data.prompts_per_step=8",
+                                        "trainer.mini_batch_prompts=8", f"trainer.output_dir={tmp_path / 'run'}"])
+    check_run_inputs(run)  # the file exists; its size is known once it is read, when the trainer starts
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT,
+                           f"trainer.output_dir={tmp_path / 'run'}", "data.train=" + str(path),
+                           "data.prompts_per_step=8", "trainer.mini_batch_prompts=8"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 1 and "data.train has 5 usable prompts, fewer than data.prompts_per_step (8)" in \
+        proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "rollout_model").exists()  # failed before the engine was built

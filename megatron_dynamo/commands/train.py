@@ -76,11 +76,15 @@ def run(args) -> int:
     from megatron_dynamo.config import ConfigError
     from megatron_dynamo.trainer.config import load_run_config
 
+    from megatron_dynamo.trainer.preflight import check_run_inputs
+
     try:
         cfg = load_run_config(args.config, args.overrides, algo=args.algo)
+        check_run_inputs(cfg)  # missing files: one line now, not a traceback after the ranks start
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 2
+    from megatron_dynamo.parallel import stop_signals
     from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.step import RolloutError
     from megatron_dynamo.trainer.trainer import TrainingError

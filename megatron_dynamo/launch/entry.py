@@ -24,12 +24,14 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
     from megatron_dynamo.config import ConfigError, validate_tree
     from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.config import with_algorithm
+    from megatron_dynamo.trainer.preflight import check_run_inputs
     from megatron_dynamo.trainer.step import RolloutError
     from megatron_dynamo.trainer.trainer import TrainingError
 
     try:
         run = with_algorithm(config, algo)
         validate_tree(run)
+        check_run_inputs(run)
     except ConfigError as exc:
         print(f"dynamo launch: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

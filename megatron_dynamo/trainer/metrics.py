@@ -11,19 +11,27 @@ from typing import Any
 
 
 class MetricsLogger:
+    """``resume_from``: the step of the checkpoint a resumed run continues from. Rows of later steps (logged
+    before the crash, and about to be logged again) are dropped from ``metrics.jsonl`` and from TensorBoard, so
+    every step appears once. None: a new run (the file is started afresh)."""
+
     def __init__(self, output_dir: str, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
-                 resume: bool = False):
+                 resume_from: int | None = None):
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.total_steps = total_steps
         self.progress = progress
-        self._file = open(self.path, "a" if resume else "w", encoding="utf-8")
+        if resume_from is not None:
+            truncate_metrics(self.path, resume_from)
+        self._file = open(self.path, "a" if resume_from is not None else "w", encoding="utf-8")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            # purge_step: TensorBoard drops the events of this step and later that are already on disk.
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"),
+                                     purge_step=None if resume_from is None else resume_from + 1)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -61,6 +69,27 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
             f"{get('rollouts', 'd')} [{get('alloc_min', 'd')}-{get('alloc_max', 'd')}] | var-ratio "
             f"{get('variance_ratio', '.2f')} | H {get('entropy_mean', '.3f')} | gnorm {get('grad_norm', '.3f')} | "
             f"{get('step_seconds', '.1f')}s" + (" | SKIPPED: " + record["skipped"] if record.get("skipped") else ""))
+
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Keep the rows of ``path`` up to ``last_step`` (and drop a torn last line), rewriting it atomically."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by the crash
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

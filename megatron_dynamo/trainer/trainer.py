@@ -117,6 +117,11 @@ class Trainer:
         if self.hf_config["vocab_size"] < len(self.tokenizer):
             raise TrainingError(f"model vocab_size {self.hf_config['vocab_size']} is smaller than the tokenizer "
                                 f"({len(self.tokenizer)} tokens)")
+        self.examples = load_examples(run)  # before the model: a data set too small for a step fails first
+        if len(self.examples) < run.data.prompts_per_step:
+            raise TrainingError(f"data.train has {len(self.examples)} usable prompts, fewer than data.prompts_per_step "
+                                f"({run.data.prompts_per_step}): a step never holds a prompt twice")
+        self.sampler = PromptSampler(self.examples, seed=run.data.seed)
         hf_weights = _hf_weight_source(run.model.checkpoint)
         self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
                                    sequence_parallel=run.parallel.sequence_parallel)
@@ -125,8 +130,6 @@ class Trainer:
 
             load_model_checkpoint(self.actor.chunks, run.model.checkpoint)
             self.actor.optimizer.reload_model_params()
-        self.examples = load_examples(run)
-        self.sampler = PromptSampler(self.examples, seed=run.data.seed)
         self.history = PromptHistory(decay=run.dynamo.allocation.history_decay)
         eos = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
@@ -234,7 +237,7 @@ class Trainer:
         logger = None
         if self.rank == 0:
             logger = MetricsLogger(str(self.output_dir), run.logging.tensorboard, run.logging.progress,
-                                   run.trainer.steps, resume=latest is not None)
+                                   run.trainer.steps, resume_from=start_step if latest is not None else None)
         history = []
         try:
             if run.evaluation.at_start and start_step == 0 and self.rank == 0:

@@ -1,0 +1,70 @@
+"""Inputs of a run checked before any process group, model or engine exists: the files and directories a recipe
+names. ``dynamo train`` (and the cluster entry) call :func:`check_run_inputs` right after loading the config, so a
+missing file is a one-line error naming the key, not a traceback on rank 0 minutes later."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_dynamo.config import ConfigError
+from megatron_dynamo.trainer.config import RunConfig
+
+
+def _check_model_config(path: str) -> None:
+    config = Path(path).expanduser()
+    file = config / "config.json" if config.is_dir() else config
+    if not file.is_file():
+        raise ConfigError(f"model.config: no such file: {file}")
+    try:
+        json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"model.config: {file} is not valid JSON ({exc})") from None
+
+
+def _check_checkpoint(path: str) -> None:
+    from megatron_dynamo.models.checkpoint_io import CheckpointError, is_model_checkpoint, read_checkpoint_info
+
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"model.checkpoint: no such directory: {directory}")
+    if is_model_checkpoint(directory):
+        try:
+            read_checkpoint_info(directory)
+        except CheckpointError as exc:
+            raise ConfigError(f"model.checkpoint: {exc}") from None
+        return
+    if not (directory / "config.json").is_file() or not any(directory.glob("*.safetensors")):
+        raise ConfigError(f"model.checkpoint: {directory} is neither an HF model directory (config.json and "
+                          "*.safetensors) nor a Megatron checkpoint written by checkpoints_convert")
+
+
+def _check_dataset(key: str, name: str, data_dir: str | None) -> None:
+    from megatron_dynamo.data.dataset import DatasetNotAvailableError, resolve_dataset_path
+
+    try:
+        resolve_dataset_path(name, data_dir)
+    except DatasetNotAvailableError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def check_run_inputs(run: RunConfig) -> None:
+    """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used."""
+    _check_model_config(run.model.config)
+    if run.model.checkpoint is not None:
+        _check_checkpoint(run.model.checkpoint)
+    if run.model.tokenizer != "char" and not Path(run.model.tokenizer).expanduser().is_dir():
+        raise ConfigError(f"model.tokenizer: no such directory: {run.model.tokenizer} (a tokenizer directory, or "
+                          "'char' for the synthetic task's character tokenizer)")
+    if run.data.data_dir is not None and not Path(run.data.data_dir).expanduser().is_dir():
+        raise ConfigError(f"data.data_dir: no such directory: {run.data.data_dir}")
+    if run.data.train != "synthetic":
+        _check_dataset("data.train", run.data.train, run.data.data_dir)
+    elif run.data.synthetic_problems < run.data.prompts_per_step:
+        raise ConfigError(f"data.prompts_per_step ({run.data.prompts_per_step}) exceeds data.synthetic_problems "
+                          f"({run.data.synthetic_problems}): a step never holds a prompt twice")
+    evaluation = run.evaluation
+    if evaluation.every or evaluation.at_start:
+        data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
+        for benchmark in evaluation.benchmarks:
+            _check_dataset("evaluation.benchmarks", benchmark, data_dir)
