@@ -31,6 +31,7 @@ the parts that can run on a CPU with tiny shapes, to check this file's own code 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -241,6 +242,7 @@ class Ctx:
     work: Path
     deadline: float  # time.monotonic() by which the part must have returned
     notes: list[str] = field(default_factory=list)
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # closed when the part returns
 
     @property
     def gpu(self) -> bool:
@@ -286,10 +288,22 @@ def _small_qwen2(vocab: int = 4096) -> dict[str, Any]:
     return cfg
 
 
-def _init_megatron(seed: int = 0):
+def _init_megatron(ctx: Ctx, seed: int = 0, placement: bool = True):
+    """Megatron's parallel state for one rank (NCCL on the GPU). In --cpu mode, with ``placement``, the rest of the
+    part runs under CUDA's placement rules (``parallel.device_check``): a host tensor reaching the model or a
+    collective fails there as it would on a GPU."""
     from megatron_dynamo.parallel import runtime
 
-    return runtime.init_distributed(runtime.ParallelConfig(), seed=seed)
+    info = runtime.init_distributed(runtime.ParallelConfig(), seed=seed)
+    if ctx.cpu and placement:
+        try:
+            from megatron_dynamo.parallel.device_check import simulated_gpu_placement
+        except ImportError:
+            ctx.notes.append("parallel.device_check is not available: CUDA placement rules not simulated")
+        else:
+            ctx.stack.enter_context(simulated_gpu_placement())
+            ctx.notes.append("--cpu: ran under simulated CUDA placement rules (parallel.device_check)")
+    return info
 
 
 def _shutdown_megatron() -> None:
@@ -486,7 +500,7 @@ def part_te_parity(ctx: Ctx) -> dict[str, Any]:
 
     from megatron_dynamo.trainer.actor import MegatronActor
 
-    _init_megatron(seed=0)
+    _init_megatron(ctx, seed=0)
     cfg = _small_qwen2()
     state = _hf_state(cfg)
     gen = torch.Generator().manual_seed(0)
@@ -556,7 +570,7 @@ def part_model_1p5b(ctx: Ctx) -> dict[str, Any]:
 
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
 
-    _init_megatron(seed=0)
+    _init_megatron(ctx, seed=0)
     if ctx.gpu:
         cfg, name = _load_config(QWEN_1_5B), "Qwen2.5-Math-1.5B shape"
         shapes = [(1, 2048), (1, 4096), (4, 2048), (2, 4096)]
@@ -691,7 +705,7 @@ def _logprob_gap(actor, responses, device) -> dict[str, float]:
     for i, r in enumerate(responses):
         if not r.token_ids:
             continue
-        t = trainer[i].double()
+        t = trainer[i].detach().double().cpu()  # on the model's device
         v = torch.tensor(r.logprobs, dtype=torch.float64)
         if t.shape != v.shape:
             raise RuntimeError(f"response {i}: {t.numel()} trainer log-probs vs {v.numel()} from vLLM")
@@ -796,7 +810,7 @@ def _vllm_round(ctx: Ctx, cfg: dict[str, Any], dtype: str, eager: bool | None, r
 
 
 def part_vllm(ctx: Ctx) -> dict[str, Any]:
-    _init_megatron(seed=0)
+    _init_megatron(ctx, seed=0)
     if ctx.gpu:
         cfg, name = _load_config(QWEN_1_5B), "Qwen2.5-Math-1.5B shape"
         rounds = [("bf16", None), ("fp32", True)]  # bf16: the production engine (CUDA graphs); fp32: eager
@@ -932,7 +946,7 @@ def part_sleep_wake(ctx: Ctx) -> dict[str, Any]:
     from megatron_dynamo.rollout import GenerationRequest, SamplingConfig, sync_weights
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
 
-    _init_megatron(seed=0)
+    _init_megatron(ctx, seed=0)
     cfg = _load_config(QWEN_1_5B)
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -1034,7 +1048,8 @@ def run_part(name: str, env: dict[str, Any], work: Path, timeout_s: float, cpu: 
     work.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(cpu=cpu, work=work, deadline=start + timeout_s - 10)
     try:
-        result.update(PART_FUNCTIONS[name](ctx))
+        with ctx.stack:
+            result.update(PART_FUNCTIONS[name](ctx))
     except BaseException as exc:  # noqa: BLE001 - a part's failure is a result
         tb = traceback.format_exc()
         print(tb, flush=True)
