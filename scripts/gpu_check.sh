@@ -13,6 +13,7 @@
 #   --out DIR            where gpu_check_report.md, gpu_check.json and gpu_check.log go
 #                        (default: $OUT when set, e.g. on the lent device machine, else outputs/gpu_check/<stamp>)
 #   --total-seconds N    time budget of the whole command (default 1200); a part gets min(its limit, what is left)
+#                        (on the device tool, whose commands stop at 600 s: --total-seconds 560)
 #   --commit HASH        the commit to report where the checkout has no git metadata (the device machine's copy)
 #   --no-append          do not append the report to benchmarks/RESULTS.md (default: append when CUDA ran)
 #   --install            also try pip (network) for megatron-core / math-verify / psutil when they are missing
@@ -151,6 +152,7 @@ fi
 say() {
   echo "[gpu_check] $*" | tee -a "$log"
 }
+start=$SECONDS  # the budget covers everything: installs, environment, parts
 say "$(date -u '+%Y-%m-%d %H:%M:%S UTC'): $command_line"
 say "parts: ${parts[*]}; total budget ${total} s; report and log in $out_dir"
 
@@ -195,7 +197,6 @@ on_signal() {
 }
 trap on_signal INT TERM
 
-start=$SECONDS
 for part in "${parts[@]}"; do
   if ((interrupted)); then
     echo "rc=interrupted seconds=0 limit=0" >"$work/$part.status"
