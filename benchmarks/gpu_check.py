@@ -452,6 +452,23 @@ def _child_env() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ part: tests
+def _pytest_outcome(line: str) -> dict[str, str] | None:
+    """One line of pytest's -rA summary -> {outcome, test, detail}: "PASSED path::test[id]",
+    "FAILED path::test - message", "SKIPPED [n] path:line: reason"."""
+    m = re.match(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(.*)$", line)
+    if not m:
+        return None
+    outcome, rest = m.groups()
+    if "::" in rest:
+        test, _, detail = rest.partition(" - ")
+        test = test.split("::", 1)[1]
+    else:  # SKIPPED [2] tests/test_gpu.py:64: reason
+        rest = re.sub(r"^\[\d+\]\s+", "", rest)
+        test, _, detail = rest.partition(": ")
+        test = test.removeprefix("tests/")
+    return {"outcome": outcome, "test": test.strip(), "detail": detail.strip()[:160]}
+
+
 def part_tests(ctx: Ctx) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-rA", "-p", "no:cacheprovider"]
     rc, lines = _run_streaming(cmd, ctx.remaining() - 10, env=_child_env())
@@ -461,13 +478,7 @@ def part_tests(ctx: Ctx) -> dict[str, Any]:
         if found and ("=" in line or " in " in line):
             counts = {kind: int(n) for n, kind in found}
             break
-    rows = []
-    for line in lines:
-        m = re.match(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(?:\[\d+\]\s+)?(\S+?)(?::\d+)?(?::|\s-\s|$)(.*)",
-                     line)
-        if m:
-            rows.append({"outcome": m.group(1), "test": m.group(2).split("::")[-1].removeprefix("tests/"),
-                         "detail": m.group(3).strip()[:160]})
+    rows = [row for row in map(_pytest_outcome, lines) if row]
     numbers = {"exit_code": rc if rc is not None else "killed (time limit)", **counts}
     status = "pass" if rc == 0 and not counts.get("failed") and not counts.get("error") else "fail"
     if rc == 5:

@@ -159,3 +159,14 @@ def test_cpu_variant_of_the_model_part_runs(tmp_path):
     assert results[0]["status"] == "pass", results
     rows = results[0]["tables"]["step time and memory"]
     assert all(r["tokens/s (fwd+bwd+step)"] > 0 for r in rows)
+
+
+def test_pytest_summary_lines_are_parsed():
+    gc = _module()
+    assert gc._pytest_outcome("PASSED tests/test_gpu.py::test_a[dtype1]") == {
+        "outcome": "PASSED", "test": "test_a[dtype1]", "detail": ""}
+    assert gc._pytest_outcome("FAILED tests/test_gpu.py::test_b - AssertionError: x") == {
+        "outcome": "FAILED", "test": "test_b", "detail": "AssertionError: x"}
+    assert gc._pytest_outcome("SKIPPED [2] tests/test_gpu.py:64: Transformer Engine does not import here") == {
+        "outcome": "SKIPPED", "test": "test_gpu.py:64", "detail": "Transformer Engine does not import here"}
+    assert gc._pytest_outcome("==== 3 passed in 2.0s ====") is None
