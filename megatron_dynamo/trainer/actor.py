@@ -186,22 +186,32 @@ class MegatronActor:
     def optimizer_step(self) -> StepResult:
         """Clip gradients (optim.clip_grad), step the optimizer, and zero the gradient buffers.
 
-        Without a loss scaler (fp32, and bf16 here) Megatron's optimizer steps on NaN/inf gradients. So the
-        gradients are checked first: their global norm (over the model-parallel shards) must be finite on every
-        rank, else nothing is stepped, the weights and the optimizer state stay as they are, and the result says
-        ``update_successful=False``."""
-        if self.optimizer is None:
+        Without a loss scaler (fp32, and bf16 here) Megatron's optimizer steps on NaN/inf gradients. So this runs
+        the parts of Megatron's ``step()`` itself, with a check in between: the global gradient norm (over the
+        model-parallel shards) must be finite on every rank, else nothing is stepped, the weights and the
+        optimizer state stay as they are, and the result says ``update_successful=False``. The norm is computed
+        once and serves the clipping, as in ``ChainedOptimizer.step``."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        optimizer = self.optimizer
+        if optimizer is None:
             raise RuntimeError("this actor was built without an optimizer (optim=None)")
-        found_inf = bool(self.optimizer.prepare_grads())  # main grads ready; True only with a loss scaler
-        grad_norm = float(self.optimizer.get_grad_norm() or 0.0)
+        found_inf = bool(optimizer.prepare_grads())  # main grads ready; True only with a loss scaler
+        grad_norm = float(optimizer.get_grad_norm() or 0.0)
         finite = torch.tensor([0.0 if found_inf or not math.isfinite(grad_norm) else 1.0], device=self.device)
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if finite.item() == 0:
             self.zero_grad()
             return StepResult(False, grad_norm)
-        ok, clipped_norm, _ = self.optimizer.step()
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = [] if getattr(inner, "is_stub_optimizer", False) else inner.get_parameters()
+            if params and inner.config.clip_grad > 0:
+                clip_grad_by_total_norm_fp32(
+                    params, max_norm=inner.config.clip_grad, total_norm=grad_norm,
+                    use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        ok = optimizer.step_with_ready_grads()
         self.zero_grad()
-        return StepResult(bool(ok), grad_norm if clipped_norm is None else float(clipped_norm))
+        return StepResult(bool(ok), grad_norm)
 
     @property
     def sequence_multiple(self) -> int:

@@ -63,6 +63,11 @@ def check_run_inputs(run: RunConfig) -> None:
     elif run.data.synthetic_problems < run.data.prompts_per_step:
         raise ConfigError(f"data.prompts_per_step ({run.data.prompts_per_step}) exceeds data.synthetic_problems "
                           f"({run.data.synthetic_problems}): a step never holds a prompt twice")
+    import torch
+
+    if torch.cuda.is_available() and run.rollout.tensor_parallel > torch.cuda.device_count():
+        raise ConfigError(f"rollout.tensor_parallel ({run.rollout.tensor_parallel}) exceeds the "
+                          f"{torch.cuda.device_count()} GPU(s) of this node")
     evaluation = run.evaluation
     if evaluation.every or evaluation.at_start:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
