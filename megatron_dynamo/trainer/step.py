@@ -192,21 +192,19 @@ class StepRunner:
         return metrics
 
     # ------------------------------------------------------------------ model work
-    def _micro_batches_for(self, samples: list[Sample], num_micro: int | None = None):
+    def micro_batches_for(self, samples: list[Sample]):
+        """This data-parallel rank's share of ``samples`` (one optimizer step's worth) as micro-batches on the
+        model's device. Every DP rank gets the same number of micro-batches (the largest share decides), so that
+        the ranks of a data-parallel group run matching schedules; a rank with no sample gets empty ones."""
         ps = _parallel()
-        shard = shard_for_rank(samples, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        dp = ps.get_data_parallel_world_size()
+        largest_share = -(-len(samples) // dp)
+        num_micro = max(1, -(-largest_share // self.run.trainer.micro_batch_size))
+        shard = shard_for_rank(samples, ps.get_data_parallel_rank(), dp)
         # Only pipeline stages need every micro-batch to have the same shape; padding rows costs compute.
         return make_micro_batches(shard, self.run.trainer.micro_batch_size, self.pad_token_id, num_micro,
                                   fixed_shape=ps.get_pipeline_model_parallel_world_size() > 1,
                                   device=self.actor.device, seq_multiple=self.actor.sequence_multiple)
-
-    def _num_micro(self, samples: list[Sample]) -> int:
-        """The same number of micro-batches on every DP rank (the largest share decides), so that the ranks of
-        every data-parallel group run matching schedules."""
-        ps = _parallel()
-        dp = ps.get_data_parallel_world_size()
-        largest = -(-len(samples) // dp)
-        return max(1, -(-largest // self.run.trainer.micro_batch_size))
 
     def _token_stats(self, micro_batches) -> dict[int, dict[str, torch.Tensor]]:
         """Forward-only pass: per sample index, its response tokens' logp / entropy / sum_pi2_lambda (last stage)."""
@@ -222,7 +220,7 @@ class StepRunner:
     def _update(self, samples: list[Sample], prompt_order: list[str], timer: StageTimer) -> dict[str, float]:
         run, ps = self.run, _parallel()
         mini_batches = split_mini_batches(samples, prompt_order, run.trainer.mini_batch_prompts)
-        plans = [(mb, self._micro_batches_for(mb, self._num_micro(mb))) for mb in mini_batches if mb]
+        plans = [(mb, self.micro_batches_for(mb)) for mb in mini_batches if mb]
         last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         with timer("old_logprob"):
             old = {}

@@ -202,7 +202,7 @@ class Trainer:
             order = torch.randperm(len(samples), generator=generator)[:batch].tolist()
             chosen = [samples[i] for i in order]
             denominator = float(sum(s.num_response_tokens for s in chosen))
-            micro = self.runner._micro_batches_for(chosen, self.runner._num_micro(chosen))
+            micro = self.runner.micro_batches_for(chosen)
             results = self.actor.forward_backward(micro, _sft_loss_fn(denominator))
             self.actor.optimizer_step()
             from megatron.core import parallel_state
