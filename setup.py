@@ -19,6 +19,8 @@ CORE = [
     "tqdm",
     "tensorboard",
     "matplotlib",
+    "datasets",  # `dynamo data prepare`: fetches hub datasets (cache, offline mode)
+    "pyarrow",  # parquet datasets (verl's RL layout included) read by the trainer and `dynamo eval`
 ]
 
 EXTRAS = {

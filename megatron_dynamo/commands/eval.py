@@ -7,7 +7,8 @@
 --checkpoint takes an HF model directory, a Megatron checkpoint (converted to HF once, into the output
 directory), a training run's checkpoints/ directory or the run's output directory (its latest checkpoint).
 Benchmarks: aime24, aime25, amc23, math500, minerva, olympiadbench ("all": the six, the default), any registered
-dataset name, or a JSONL path of the same shape; named ones are read from --data-dir / $MEGATRON_DYNAMO_DATA_DIR.
+dataset name, or a JSONL / parquet path of the same shape (verl's RL parquet layout too); named ones are read from
+--data-dir / $MEGATRON_DYNAMO_DATA_DIR, where `dynamo data prepare NAME --out DIR` puts them.
 
 Output (--output): samples.jsonl (one line per sample: benchmark, problem id, sample index, response, extracted
 answer, correct), summary.json (per benchmark and averaged: pass@1 and pass@k, problems, samples, settings), and
@@ -34,9 +35,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="HF model dir, Megatron checkpoint, or a training run's (checkpoints) directory")
     parser.add_argument("--benchmarks", default="all", metavar="LIST",
-                        help=f"comma-separated names or JSONL paths; 'all' = {','.join(BENCHMARKS)}")
+                        help=f"comma-separated names or JSONL / parquet paths; 'all' = {','.join(BENCHMARKS)}")
     parser.add_argument("--data-dir", default=None, metavar="DIR",
-                        help="directory holding the benchmark JSONL files (default: $MEGATRON_DYNAMO_DATA_DIR)")
+                        help="directory holding the benchmark files, as `dynamo data prepare --out` writes them "
+                             "(default: $MEGATRON_DYNAMO_DATA_DIR)")
     parser.add_argument("--output", default=None, metavar="DIR",
                         help="output directory (default: outputs/eval/<checkpoint name>); resumes if it holds "
                              "part of the same evaluation")

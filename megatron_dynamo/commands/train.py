@@ -12,6 +12,16 @@ dynamo.allocation.enabled=false (DRA), dynamo.modulation.gc=false (GC), dynamo.m
 Launch: a single process runs all ranks itself when --nproc > 1 (gloo on CPU, one GPU per rank on GPUs);
 under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set) each process is one rank.
 Output: <trainer.output_dir>/metrics.jsonl, tensorboard/, reward_curve.png, checkpoints/.
+
+Stopping: SIGINT (Ctrl-C) or SIGTERM stops the run after the current step: every rank stops after the same step,
+that step's checkpoint is saved (if it was not already), the rollout engine and reward workers are shut down, and
+the command exits with a line naming the saved step (exit status 130 for SIGINT, 143 for SIGTERM); --resume
+continues from it. A second signal stops at once, without a checkpoint. With --nproc > 1 the signal goes to this
+process, which passes it on to the ranks; under torchrun/srun every rank must receive it. However the run ends
+(kill -9 included), a watchdog process stops whatever it started (vLLM's engine processes, reward workers), within
+a few seconds. vLLM's and the reward workers' processes run in sessions of their own, so Ctrl-C at a terminal
+reaches the trainer only; a signal sent to every process of the run (Slurm at the time limit) stops them too, and
+the step in progress then fails instead of finishing.
 """
 
 from __future__ import annotations
@@ -42,9 +52,12 @@ def launch_training(run, resume: bool, nproc: int | None = None) -> None:
     """Train ``run`` (a validated RunConfig) in this process's rank(s): under torchrun/srun this process is one
     rank; otherwise it runs ``nproc`` local ranks (default tensor x pipeline parallel size), spawning them when
     more than one. Raises TrainingError / RolloutError / RankError with a message for the user."""
+    from megatron_dynamo.parallel.process_guard import start_guard
     from megatron_dynamo.parallel.runtime import detect_launch
     from megatron_dynamo.parallel.spawn import run_on_ranks
+    from megatron_dynamo.parallel.stop_signals import STOP_SIGNALS
 
+    start_guard()  # however this process ends, nothing it started (vLLM, reward workers, ranks) outlives it
     nproc = nproc or run.parallel.tensor_parallel * run.parallel.pipeline_parallel
     if _launched_externally():
         launch = detect_launch()
@@ -52,21 +65,27 @@ def launch_training(run, resume: bool, nproc: int | None = None) -> None:
     elif nproc == 1:
         train_on_rank(0, 1, run, resume)
     else:
-        run_on_ranks(train_on_rank, nproc, run, resume, describe=_describe)
+        run_on_ranks(train_on_rank, nproc, run, resume, describe=_describe, forward=STOP_SIGNALS)
 
 
 def train_on_rank(rank, world_size, run, resume):
+    """One rank's run. SIGINT / SIGTERM end it at the next step boundary (see ``Trainer.train``); the processes it
+    starts (vLLM, reward workers) run in sessions of their own so that Ctrl-C reaches the trainer only."""
+    from megatron_dynamo.parallel.process_guard import children_in_own_session
+    from megatron_dynamo.parallel.stop_signals import stop_on_signals
     from megatron_dynamo.trainer.trainer import Trainer
 
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     # Megatron logs every parameter name and its optimizer config at INFO: keep our progress line readable.
     for noisy in ("megatron", "megatron.core", "vllm"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    trainer = Trainer(run, resume=resume)
-    try:
-        history = trainer.train()
-    finally:
-        trainer.close()
+    with stop_on_signals("dynamo train: {signal} received: stopping after the current step (send it again to stop "
+                         "at once)" if rank == 0 else None), children_in_own_session():
+        trainer = Trainer(run, resume=resume)
+        try:
+            history = trainer.train()
+        finally:
+            trainer.close()
     return history if rank == 0 else None
 
 
@@ -93,7 +112,9 @@ def run(args) -> int:
         launch_training(cfg, args.resume, args.nproc)
     except (TrainingError, RolloutError, RankError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
-        return 1
+        # Stopped by a signal (or failed while stopping): the status a shell gives a process the signal ended.
+        signum = getattr(exc, "signum", None) or stop_signals.received()
+        return stop_signals.exit_code(signum) if signum else 1
     return 0
 
 

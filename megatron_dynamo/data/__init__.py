@@ -1,7 +1,9 @@
 """Data stage: math prompts, prompt templates, the synthetic CPU task and the offline character tokenizer.
 
-- ``dataset``: ``MathExample``, ``load_math_jsonl`` (validated JSONL rows; public dataset names resolved to local
-  files), ``PromptSampler`` (seeded per-epoch shuffling, exactly resumable).
+- ``dataset``: ``MathExample``, ``load_math_file`` / ``load_math_jsonl`` (validated JSONL or parquet rows, verl's
+  layout included; public dataset names resolved to local files), ``PromptSampler`` (seeded per-epoch
+  shuffling, exactly resumable).
+- ``hub`` (imported on use: it pulls in ``datasets``): ``prepare`` converts a hub dataset to the JSONL rows.
 - ``templates``: prompt template registry (``qwen_math_boxed`` default, ``plain``, ``plain_boxed``, ``synthetic``).
 - ``synthetic``: ``make_synthetic_task`` (seeded integer arithmetic with spread difficulty), ``sft_pairs``.
 - ``tokenizer``: ``build_char_tokenizer`` (imported lazily: it pulls in ``transformers``).
@@ -17,6 +19,7 @@ from megatron_dynamo.data.dataset import (
     MathExample,
     PromptSampler,
     SkippedRow,
+    load_math_file,
     load_math_jsonl,
     resolve_dataset_path,
 )
@@ -44,7 +47,7 @@ def __getattr__(name: str):
 __all__ = [
     "BENCHMARKS", "CHARACTERS", "DATASETS", "DATA_DIR_ENV", "DEFAULT_TEMPLATE", "DatasetNotAvailableError",
     "DatasetSpec", "MathDataset", "MathExample", "PromptSampler", "PromptTemplate", "SPECIAL_TOKENS",
-    "SYNTHETIC_LEVELS", "SkippedRow", "build_char_tokenizer", "get_template", "list_templates", "load_math_jsonl",
-    "make_synthetic_task", "register_template", "render", "resolve_dataset_path", "save_char_tokenizer",
+    "SYNTHETIC_LEVELS", "SkippedRow", "build_char_tokenizer", "get_template", "list_templates", "load_math_file",
+    "load_math_jsonl", "make_synthetic_task", "register_template", "render", "resolve_dataset_path", "save_char_tokenizer",
     "sft_pairs",
 ]

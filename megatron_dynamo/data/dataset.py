@@ -1,9 +1,15 @@
-"""Math prompt data: JSONL loading with row validation, a name registry, and a resumable seeded sampler.
+"""Math prompt data: JSONL / parquet loading with row validation, a name registry, and a resumable seeded sampler.
 
 File format (the files in ``shared/data/math/`` and any file of the same shape): one JSON object per line with
 ``id`` (string or integer), ``problem`` (non-empty string), ``answer`` (non-empty string; a JSON number is
 accepted and converted), optional ``data_source`` (string), optional ``answer_candidates`` (list of strings:
 other accepted forms of the answer, e.g. Minerva's); every other field is kept in ``extras``.
+
+Parquet files (``.parquet``) are read too, one row per record, in that flat shape or in verl's RL layout
+(``prompt``: list of chat messages, ``reward_model.ground_truth``, ``data_source``, ``extra_info.index``), which
+JSONL rows may also use; see :func:`from_verl_row` for what is kept. Both formats share one entry point,
+:func:`load_math_file` (also reachable as :func:`load_math_jsonl`), and the same malformed-row reporting (for
+parquet the "line" is the 1-based row number).
 
 Decisions:
 
@@ -16,7 +22,8 @@ Decisions:
 - Duplicate ids are an error by default (two prompts sharing an id would share the DRA history); with
   ``on_duplicate_id="suffix"`` the later row becomes ``<id>#line<N>`` (stable for a given file).
 - Datasets are named by their public hub id; at run time the product reads local files only (no network):
-  a path, or ``data_dir`` / ``$MEGATRON_DYNAMO_DATA_DIR`` holding the registry's file name.
+  a path, or ``data_dir`` / ``$MEGATRON_DYNAMO_DATA_DIR`` holding the registry's file name (or the same stem
+  with ``.parquet``). ``dynamo data prepare NAME`` (``data/hub.py``) writes that file from the hub dataset.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ logger = logging.getLogger(__name__)
 DATA_DIR_ENV = "MEGATRON_DYNAMO_DATA_DIR"
 _MAX_LOGGED_SKIPS = 20
 _KNOWN_FIELDS = ("id", "problem", "answer", "answer_candidates", "data_source")
+#: File suffixes read as parquet (everything else is read as JSON lines).
+PARQUET_SUFFIXES = (".parquet",)
+_VERL_FIELDS = ("prompt", "reward_model", "data_source", "extra_info")
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ class DatasetSpec:
 
 
 #: Public names -> hub ids and local file names. Hub schemas differ from the JSONL shape above, so a download
-#: has to be converted once (id, problem, answer, ...) before use.
+#: has to be converted once (id, problem, answer, ...) before use: ``dynamo data prepare NAME`` (data/hub.py).
 DATASETS: dict[str, DatasetSpec] = {
     spec.name: spec
     for spec in (
@@ -148,28 +158,30 @@ def _spec_for(name: str) -> DatasetSpec | None:
 
 
 def resolve_dataset_path(path_or_name: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> Path:
-    """Local JSONL file for a file path or a dataset name.
+    """Local JSONL or parquet file for a file path or a dataset name.
 
     A path to an existing file is used as is. A name (``"aime24"``, or a hub id such as
     ``"BytedTsinghua-SIA/DAPO-Math-17k"``) is looked up in ``data_dir``, else in ``$MEGATRON_DYNAMO_DATA_DIR``,
-    under the registry's file name (an unregistered name under ``<name>.jsonl``). Raises
-    :class:`DatasetNotAvailableError` naming the hub id and how to provide the data.
+    under the registry's file name (an unregistered name under ``<name>.jsonl``), else under the same stem with
+    ``.parquet``. Raises :class:`DatasetNotAvailableError` naming the hub id and how to provide the data.
     """
     text = os.fspath(path_or_name)
     candidate = Path(text).expanduser()
     if candidate.is_file():
         return candidate
     spec = _spec_for(text)
-    looks_like_path = spec is None and (text.endswith((".jsonl", ".json")) or os.sep in text or text.startswith("."))
+    looks_like_path = spec is None and (text.endswith((".jsonl", ".json", *PARQUET_SUFFIXES)) or os.sep in text
+                                        or text.startswith("."))
     if looks_like_path:
         raise DatasetNotAvailableError(f"dataset file not found: {text}")
 
     directory = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV)
     filename = spec.filename if spec is not None else f"{text}.jsonl"
     if directory:
-        path = Path(directory).expanduser() / filename
-        if path.is_file():
-            return path
+        for name in (filename, *(Path(filename).stem + suffix for suffix in PARQUET_SUFFIXES)):
+            path = Path(directory).expanduser() / name
+            if path.is_file():
+                return path
     where = f"{filename!r} is not in {os.fspath(directory)!r}" if directory else (
         f"no data directory was given (data_dir or ${DATA_DIR_ENV})")
     if spec is None:
@@ -180,15 +192,85 @@ def resolve_dataset_path(path_or_name: str | os.PathLike, data_dir: str | os.Pat
     hub = f"{spec.hub_id} (split {spec.hub_split!r}" + (f", config {spec.hub_config!r})" if spec.hub_config else ")")
     raise DatasetNotAvailableError(
         f"dataset {spec.name!r} is not available locally: {where}. It is the public hub dataset {hub}; "
-        f"nothing is downloaded at run time. Download it, convert it to JSONL (one object per line with id, "
-        f"problem, answer), and either pass the file's path, or put it as {spec.filename!r} in a directory given "
-        f"as data_dir or ${DATA_DIR_ENV}.")
+        f"nothing is downloaded at run time. Run `dynamo data prepare {spec.name} --out DIR` (it fetches and "
+        f"converts it; --from FILE converts a downloaded copy) to write DIR/{spec.filename} and give DIR as "
+        f"data_dir or ${DATA_DIR_ENV}, or pass the path of a JSONL / parquet file (rows with id, problem, answer, "
+        f"or verl's layout).")
+
+
+def is_verl_row(row: Any) -> bool:
+    """A row in verl's RL layout (``prompt`` + ``reward_model``) rather than the flat one (``problem``)."""
+    return isinstance(row, dict) and "problem" not in row and "prompt" in row and "reward_model" in row
+
+
+def verl_user_text(prompt: Any) -> str | None:
+    """The text of a verl ``prompt``: the content of its last ``user`` message (a plain string is itself)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and isinstance(prompt.get("role"), list) and isinstance(prompt.get("content"), list):
+        # datasets' Sequence-of-struct columns come as a dict of lists
+        prompt = [{"role": r, "content": c} for r, c in zip(prompt["role"], prompt["content"])]
+    if isinstance(prompt, (list, tuple)):
+        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if users and isinstance(users[-1].get("content"), str):
+            return users[-1]["content"]
+    return None
+
+
+def _plain_id(value: Any) -> Any:
+    """An id as JSON gives it: integral floats (pandas' int columns with nulls) become ints."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def from_verl_row(row: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """A verl RL row in the flat shape: ``(fields, "")`` or ``(None, why it cannot be read)``.
+
+    Kept: the problem is the content of the *last user message* of ``prompt``, whole: an instruction the
+    dataset put around the problem (DAPO-Math-17k's "Solve the following math problem step by step. ...
+    Remember to put your answer on its own line after "Answer:".") stays in the text, system messages and
+    earlier turns are dropped, and the run's prompt template (``data.template``) then wraps that text like any
+    problem, its own instruction included (``dynamo data prepare dapo_math_17k`` strips DAPO's wrapper instead).
+    The answer is
+    ``reward_model.ground_truth`` (a list: the first entry, the others become ``answer_candidates``), the id
+    ``extra_info.index`` when present (else the row number), ``data_source`` as is; ``ability`` and the rest of
+    ``extra_info`` go to ``extras``.
+    """
+    problem = verl_user_text(row.get("prompt"))
+    if problem is None:
+        return None, "'prompt' has no user message with text content"
+    reward = row.get("reward_model")
+    truth = reward.get("ground_truth") if isinstance(reward, dict) else None
+    candidates: list[Any] = []
+    if isinstance(truth, (list, tuple)):
+        forms = [t for t in truth if t is not None]
+        truth, candidates = (forms[0], forms[1:]) if forms else (None, [])
+    if truth is None:
+        return None, "missing 'reward_model.ground_truth'"
+    extra_info = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    fields: dict[str, Any] = {
+        "id": _plain_id(extra_info.get("index")),
+        "problem": problem,
+        "answer": truth,
+        "answer_candidates": [str(c) if isinstance(c, (int, float)) else c for c in candidates],
+        "data_source": row.get("data_source") or "",
+    }
+    fields.update({k: v for k, v in row.items() if k not in _VERL_FIELDS and k not in fields})
+    rest = {k: v for k, v in extra_info.items() if k != "index"}
+    if rest:
+        fields["extra_info"] = rest
+    return fields, ""
 
 
 def _validate_row(row: Any) -> tuple[dict[str, Any] | None, str]:
-    """Return ``(cleaned fields, "")`` or ``(None, why the row is malformed)``."""
+    """Return ``(cleaned fields, "")`` or ``(None, why the row is malformed)``; verl rows are read as such."""
     if not isinstance(row, dict):
         return None, f"expected a JSON object, got {type(row).__name__}"
+    if is_verl_row(row):
+        row, why = from_verl_row(row)
+        if row is None:
+            return None, why
     problem = row.get("problem")
     if not isinstance(problem, str):
         return None, "missing 'problem'" if problem is None else f"'problem' is {type(problem).__name__}, not a string"
@@ -224,19 +306,55 @@ def _validate_row(row: Any) -> tuple[dict[str, Any] | None, str]:
     }, ""
 
 
-def load_math_jsonl(path_or_name: str | os.PathLike, data_dir: str | os.PathLike | None = None, *,
-                    source_name: str | None = None,
-                    on_duplicate_id: Literal["error", "suffix"] = "error") -> MathDataset:
-    """Load a math JSONL file (a path or a registered name, see :func:`resolve_dataset_path`).
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str]]:
+    """``(line number, parsed row, "")`` or ``(line number, None, why it cannot be parsed)``; blank lines skipped."""
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield line_number, None, f"invalid UTF-8 ({exc.reason})"
+                continue
+            if not text.strip():
+                continue  # blank lines (e.g. a trailing newline) are not rows
+            try:
+                yield line_number, json.loads(text), ""
+            except json.JSONDecodeError as exc:
+                yield line_number, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
 
-    Malformed rows are skipped and reported (log line ``path:line: reason``, ``MathDataset.skipped``).
-    Raises :class:`DatasetNotAvailableError` when the data is not local, ``ValueError`` on a duplicate id
-    (unless ``on_duplicate_id="suffix"``) or when no valid row is left.
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str]]:
+    """``(row number from 1, row as a dict, "")`` for every row of a parquet file, read in batches."""
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
+        raise ValueError(f"{path}: not a readable parquet file ({exc})") from None
+    number = 0
+    for batch in parquet.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            number += 1
+            yield number, row, ""
+
+
+def load_math_file(path_or_name: str | os.PathLike, data_dir: str | os.PathLike | None = None, *,
+                   source_name: str | None = None,
+                   on_duplicate_id: Literal["error", "suffix"] = "error") -> MathDataset:
+    """Load a math JSONL or parquet file (a path or a registered name, see :func:`resolve_dataset_path`).
+
+    The suffix decides the format (``.parquet``: parquet, anything else: JSON lines); rows are in the flat
+    shape or verl's layout (:func:`from_verl_row`). Malformed rows are skipped and reported (log line
+    ``path:line: reason``, ``MathDataset.skipped``; parquet: the row number). Raises
+    :class:`DatasetNotAvailableError` when the data is not local, ``ValueError`` on a duplicate id (unless
+    ``on_duplicate_id="suffix"``), an unreadable parquet file, or when no valid row is left.
     """
     if on_duplicate_id not in ("error", "suffix"):
         raise ValueError(f"on_duplicate_id must be 'error' or 'suffix', got {on_duplicate_id!r}")
     path = resolve_dataset_path(path_or_name, data_dir)
     source = source_name or path.stem
+    parquet = path.suffix.lower() in PARQUET_SUFFIXES
+    unnamed = "row" if parquet else "line"  # a row without an id: "<source>:row<N>" / "<source>:line<N>"
     examples: list[MathExample] = []
     skipped: list[SkippedRow] = []
     first_line_of_id: dict[str, int] = {}
@@ -246,36 +364,26 @@ def load_math_jsonl(path_or_name: str | os.PathLike, data_dir: str | os.PathLike
         if len(skipped) <= _MAX_LOGGED_SKIPS:
             logger.warning("%s:%d: skipped malformed row: %s", path, line_number, reason)
 
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                skip(line_number, f"invalid UTF-8 ({exc.reason})")
-                continue
-            if not text.strip():
-                continue  # blank lines (e.g. a trailing newline) are not rows
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                skip(line_number, f"invalid JSON ({exc.msg} at column {exc.colno})")
-                continue
-            fields, why = _validate_row(row)
-            if fields is None:
-                skip(line_number, why)
-                continue
-            row_id = fields.pop("id")
-            example_id = f"{source}:{row_id}" if row_id is not None else f"{source}:line{line_number}"
-            if example_id in first_line_of_id:
-                if on_duplicate_id == "error":
-                    raise ValueError(f"{path}:{line_number}: duplicate id {example_id!r} (first on line "
-                                     f"{first_line_of_id[example_id]}); fix the file or load it with "
-                                     f"on_duplicate_id='suffix'")
-                example_id = f"{example_id}#line{line_number}"
-            first_line_of_id[example_id] = line_number
-            if not fields["data_source"]:
-                fields["data_source"] = source
-            examples.append(MathExample(id=example_id, **fields))
+    for line_number, row, error in (_parquet_rows(path) if parquet else _jsonl_rows(path)):
+        if error:
+            skip(line_number, error)
+            continue
+        fields, why = _validate_row(row)
+        if fields is None:
+            skip(line_number, why)
+            continue
+        row_id = fields.pop("id")
+        example_id = f"{source}:{row_id}" if row_id is not None else f"{source}:{unnamed}{line_number}"
+        if example_id in first_line_of_id:
+            if on_duplicate_id == "error":
+                raise ValueError(f"{path}:{line_number}: duplicate id {example_id!r} (first on {unnamed} "
+                                 f"{first_line_of_id[example_id]}); fix the file or load it with "
+                                 f"on_duplicate_id='suffix'")
+            example_id = f"{example_id}#{unnamed}{line_number}"
+        first_line_of_id[example_id] = line_number
+        if not fields["data_source"]:
+            fields["data_source"] = source
+        examples.append(MathExample(id=example_id, **fields))
 
     if len(skipped) > _MAX_LOGGED_SKIPS:
         logger.warning("%s: %d malformed rows skipped in all (first %d shown)", path, len(skipped), _MAX_LOGGED_SKIPS)
@@ -283,6 +391,10 @@ def load_math_jsonl(path_or_name: str | os.PathLike, data_dir: str | os.PathLike
         raise ValueError(f"{path}: no valid rows ({len(skipped)} malformed)")
     logger.info("loaded %d examples from %s (%d malformed rows skipped)", len(examples), path, len(skipped))
     return MathDataset(name=source, path=str(path), examples=examples, skipped=skipped)
+
+
+#: The name the trainer, evaluation and tests have always called; it reads parquet too.
+load_math_jsonl = load_math_file
 
 
 def _fingerprint(examples: Sequence[MathExample]) -> str:

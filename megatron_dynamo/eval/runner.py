@@ -49,7 +49,8 @@ class EvalConfig:
     """What to evaluate and how to sample.
 
     ``benchmarks``: names (``aime24``, ``aime25``, ``amc23``, ``math500``, ``minerva``, ``olympiadbench``, or any
-    registered dataset) or JSONL paths of the same shape; ``data_dir`` holds the local files of named ones.
+    registered dataset) or JSONL / parquet paths (flat rows or verl's layout, see ``data/dataset.py``);
+    ``data_dir`` holds the local files of named ones.
     ``n`` samples per problem; pass@1 and pass@k for every ``k`` are reported (each k <= n). The paper's sampling
     (Table 3: temperature 1.0, top-p 1.0, 8192 response tokens) is the default: it gives no separate evaluation
     values. ``template``: the prompt template of training. ``answer_candidates``: also accept a row's
@@ -117,7 +118,7 @@ class Benchmark:
 def benchmark_name(name_or_path: str) -> str:
     """The short name of a benchmark: itself for a registered name, the file stem for a path."""
     text = os.fspath(name_or_path)
-    return Path(text).stem if text.endswith((".jsonl", ".json")) or os.sep in text else text
+    return Path(text).stem if text.endswith((".jsonl", ".json", ".parquet")) or os.sep in text else text
 
 
 def load_benchmarks(config: EvalConfig) -> list[Benchmark]:

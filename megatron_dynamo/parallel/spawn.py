@@ -7,13 +7,21 @@ Used by the multi-process tests, the benchmarks and the CLIs that need N ranks o
 ``torch.save`` can write. torch.distributed is initialised with gloo before ``fn`` runs and destroyed after.
 A failure on any rank is re-raised in the parent as :class:`RankError` with that rank's traceback (or, with
 ``describe=``, the text that function makes of the exception, e.g. one line for errors a user can act on).
+
+Processes: each rank runs in its own session and is killed by the kernel when the parent dies
+(``process_guard.die_with_parent``), so a signal to the parent's process group (Ctrl-C at a terminal) reaches the
+parent only, and ranks never outlive it. ``forward=(SIGINT, SIGTERM)`` sends those signals on to the ranks while
+they run (``dynamo train``: they stop together after the current step, see ``parallel.stop_signals``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
@@ -38,7 +46,12 @@ class RankError(RuntimeError):
         super().__init__(message)
 
 
-def _worker(rank, world_size, port, out_dir, fn, args, describe):
+def _worker(rank, world_size, port, out_dir, fn, args, describe, parent_pid=None):
+    from megatron_dynamo.parallel.process_guard import die_with_parent
+
+    with contextlib.suppress(OSError):
+        os.setsid()  # signals for the parent's process group (Ctrl-C) are the parent's: it forwards what ranks need
+    die_with_parent(signal.SIGKILL, parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     # Share the machine's cores between the ranks instead of each rank taking them all.
@@ -58,15 +71,60 @@ def _worker(rank, world_size, port, out_dir, fn, args, describe):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int, *args, describe=None):
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _wait_for_ranks(processes, stop_grace: float) -> None:
+    """Wait until every rank has exited. Once one has failed, the others are killed (a rank waiting in a collective
+    for the failed one would wait for the process group's timeout), at once, or after up to ``stop_grace`` seconds
+    when this process forwarded a stop signal: then they are saving and shutting down too (rank 0 closes vLLM)."""
+    from multiprocessing.connection import wait
+
+    from megatron_dynamo.parallel.stop_signals import received
+
+    failed_at = None
+    while True:
+        running = [p for p in processes if p.exitcode is None]
+        if not running:
+            return
+        if failed_at is None and any(p.exitcode for p in processes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at >= (stop_grace if received() else 0.0):
+            for process in running:
+                process.kill()
+                process.join()
+            return
+        wait([p.sentinel for p in running], timeout=0.5)
+
+
+def run_on_ranks(fn, world_size: int, *args, describe=None, forward=(), stop_grace: float = 60.0):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the list of results by rank.
-    ``describe(exc) -> str`` (module-level) says what a failing rank reports (default: its traceback)."""
+    ``describe(exc) -> str`` (module-level) says what a failing rank reports (default: its traceback).
+    ``forward``: signals this process sends on to the ranks while they run (main thread only); after one, ranks
+    still running when another failed get ``stop_grace`` seconds to finish before they are killed."""
+    from megatron_dynamo.parallel.stop_signals import forward_signals
+
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
+        context = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, describe, os.getpid()),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        processes = context.processes
         try:
-            mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, describe), nprocs=world_size,
-                               join=True, start_method="spawn")
-        except Exception as exc:  # the ranks' own tracebacks are more useful than the spawn error
+            running = lambda: [p.pid for p in processes if p.exitcode is None]  # noqa: E731
+            with forward_signals(running, forward) if forward else contextlib.nullcontext():
+                _wait_for_ranks(processes, stop_grace)
+        finally:  # KeyboardInterrupt while waiting: no rank outlives the call
+            for process in processes:
+                if process.exitcode is None:
+                    process.kill()
+                    process.join()
+        if any(p.exitcode for p in processes):  # the ranks' own tracebacks are more useful than exit codes
             errors = []
             for rank in range(world_size):
                 path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -74,6 +132,7 @@ def run_on_ranks(fn, world_size: int, *args, describe=None):
                     rec = torch.load(path, weights_only=False)
                     if not rec["ok"]:
                         errors.append((rank, rec["error"]))
-            raise RankError(errors or [(-1, f"a worker process died without reporting an error ({exc})")]) from None
+            codes = ", ".join(f"rank {r}: {_exit_text(p.exitcode)}" for r, p in enumerate(processes) if p.exitcode)
+            raise RankError(errors or [(-1, f"a worker process died without reporting an error ({codes})")])
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)["result"]
                 for r in range(world_size)]

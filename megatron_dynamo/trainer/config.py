@@ -36,9 +36,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training prompts: ``train`` is a dataset name (e.g. dapo_math_17k), a JSONL path, or "synthetic" (the
-    seeded arithmetic task of the CPU default, ``synthetic_problems`` problems). ``data_dir`` holds local JSONL
-    files. ``prompts_per_step`` is the generation batch (paper: 512). ``template`` is the prompt template."""
+    """Training prompts: ``train`` is a dataset name (e.g. dapo_math_17k), a JSONL or parquet path (verl's RL
+    parquet layout too), or "synthetic" (the seeded arithmetic task of the CPU default, ``synthetic_problems``
+    problems). ``data_dir`` holds local files (``dynamo data prepare NAME --out DIR`` writes them).
+    ``prompts_per_step`` is the generation batch (paper: 512). ``template`` is the prompt template."""
 
     train: str = "dapo_math_17k"
     data_dir: str | None = None

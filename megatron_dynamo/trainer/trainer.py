@@ -22,6 +22,16 @@ class TrainingError(RuntimeError):
     """A run cannot go on; the message says why and what was kept."""
 
 
+class TrainingStopped(TrainingError):
+    """The run stopped at a step boundary on SIGINT / SIGTERM (``signum``) after ``step``; the message says which
+    checkpoint holds it."""
+
+    def __init__(self, message: str, signum: int, step: int):
+        super().__init__(message)
+        self.signum = signum
+        self.step = step
+
+
 def build_tokenizer(run: RunConfig, output_dir: Path):
     """The run's tokenizer, saved under ``<output_dir>/tokenizer`` (the rollout engine loads it from there)."""
     target = output_dir / "tokenizer"
@@ -217,6 +227,9 @@ class Trainer:
         return losses
 
     def train(self) -> list[dict[str, Any]]:
+        """Run the steps. A stop signal (``parallel.stop_signals``) ends the run at the next step boundary that
+        all ranks agree on, with that step's checkpoint saved: :class:`TrainingStopped`."""
+        from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
         from megatron_dynamo.rollout.weight_sync import sync_weights
         from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, latest_checkpoint, load_checkpoint
         from megatron_dynamo.trainer.metrics import MetricsLogger, plot_reward_curve
@@ -232,6 +245,7 @@ class Trainer:
             start_step = state["step"]
         else:
             self.sft_warmup()
+        saved_step = start_step if latest is not None else None
         sync_weights(self.engine, self.actor, bucket_bytes=run.rollout.weight_sync_bucket_mb << 20,
                      dtype=self.rollout_dtype)
         logger = None
@@ -243,6 +257,9 @@ class Trainer:
             if run.evaluation.at_start and start_step == 0 and self.rank == 0:
                 logger.log(0, self.evaluate(0))
             for step in range(start_step + 1, run.trainer.steps + 1):
+                signum = agreed_stop_signal()  # every rank, so all stop after the same step
+                if signum:
+                    self._stop_after(step - 1, signum, start_step, saved_step)
                 warmup = run.trainer.warmup_steps
                 set_learning_rate(self.actor, run.optim.lr * min(1.0, step / warmup) if warmup else run.optim.lr)
                 metrics = self.runner.run_step(step)
@@ -255,6 +272,7 @@ class Trainer:
                 if step % run.checkpoint.every == 0 or step == run.trainer.steps:
                     try:
                         self.save(step)
+                        saved_step = step
                     except CheckpointSaveError as exc:
                         if self.rank == 0:
                             log.error("%s", exc)
@@ -268,6 +286,31 @@ class Trainer:
         if self.rank == 0 and run.checkpoint.export_hf:
             self.export_hf()
         return history
+
+    def _stop_after(self, step: int, signum: int, start_step: int, saved_step: int | None):
+        """End the run at the boundary after ``step`` (all ranks): save its checkpoint unless it is saved already,
+        then raise :class:`TrainingStopped` with a one-line message."""
+        from megatron_dynamo.parallel.stop_signals import signal_name
+        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, step_dir_name
+
+        name = signal_name(signum)
+        resume = "run the same command with --resume to continue"
+        if step == start_step:
+            if saved_step is None:
+                raise TrainingStopped(f"stopped by {name} before step {step + 1}: no step was finished, nothing was "
+                                      "saved", signum, step)
+            raise TrainingStopped(f"stopped by {name} before step {step + 1}: the latest checkpoint is still step "
+                                  f"{step} ({self.checkpoint_root / step_dir_name(step)}); {resume}", signum, step)
+        if saved_step != step:
+            try:
+                self.save(step)
+            except CheckpointSaveError as exc:
+                kept = (f"the latest checkpoint is step {saved_step}" if saved_step is not None
+                        else "no checkpoint was saved")
+                raise TrainingError(f"stopped by {name} after step {step}, but its checkpoint could not be saved "
+                                    f"({exc}); {kept}") from None
+        raise TrainingStopped(f"stopped by {name} after step {step}: its checkpoint is saved "
+                              f"({self.checkpoint_root / step_dir_name(step)}); {resume}", signum, step)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Rank 0: the periodic benchmark evaluation with the rollout engine, which holds the weights of ``step``
