@@ -117,8 +117,11 @@ def run(args) -> int:
 
     from transformers import AutoTokenizer
 
+    from megatron_dynamo.parallel.process_guard import start_guard
     from megatron_dynamo.reward.math_reward import MathRewardScorer
     from megatron_dynamo.rollout.vllm_engine import VLLMEngine
+
+    start_guard()  # however this process ends (kill -9 included), vLLM's processes and the reward workers go too
 
     tokenizer_dir = args.tokenizer or str(model.hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
