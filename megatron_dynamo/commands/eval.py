@@ -1,11 +1,13 @@
 """Evaluate a model on the paper's benchmarks: n samples per problem with vLLM, scored by the training reward.
 
     dynamo eval --checkpoint outputs/run                          # a run's latest checkpoint, all six benchmarks
-    dynamo eval --checkpoint Qwen2.5-Math-1.5B --benchmarks aime24,amc23 --n 32 --k 32
+    dynamo eval --checkpoint Qwen/Qwen2.5-Math-1.5B --benchmarks aime24,amc23 --n 32 --k 32   # a hub id
     dynamo eval --checkpoint ckpt/megatron --benchmarks my_set.jsonl --n 4 --max-tokens 1024 --limit 20
 
---checkpoint takes an HF model directory, a Megatron checkpoint (converted to HF once, into the output
-directory), a training run's checkpoints/ directory or the run's output directory (its latest checkpoint).
+--checkpoint takes an HF model directory, a hub id (Qwen/Qwen2.5-Math-1.5B: its snapshot in the Hugging Face cache,
+downloaded there unless HF_HUB_OFFLINE=1; HF_HOME / HF_HUB_CACHE say where), a Megatron checkpoint (converted to HF
+once, into the output directory), a training run's checkpoints/ directory or the run's output directory (its latest
+checkpoint). --tokenizer takes a directory or a hub id too.
 Benchmarks: aime24, aime25, amc23, math500, minerva, olympiadbench ("all": the six, the default), any registered
 dataset name, or a JSONL / parquet path of the same shape (verl's RL parquet layout too); named ones are read from
 --data-dir / $MEGATRON_DYNAMO_DATA_DIR, where `dynamo data prepare NAME --out DIR` puts them.
@@ -33,7 +35,7 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="HF model dir, Megatron checkpoint, or a training run's (checkpoints) directory")
+                        help="HF model dir or hub id, Megatron checkpoint, or a training run's (checkpoints) directory")
     parser.add_argument("--benchmarks", default="all", metavar="LIST",
                         help=f"comma-separated names or JSONL / parquet paths; 'all' = {','.join(BENCHMARKS)}")
     parser.add_argument("--data-dir", default=None, metavar="DIR",
@@ -57,7 +59,7 @@ def add_arguments(parser) -> None:
                         help="accept only a row's `answer`, not its `answer_candidates` (Minerva's accepted forms)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems of each benchmark")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="tokenizer directory (default: the one in or next to the checkpoint)")
+                        help="tokenizer directory or hub id (default: the one in or next to the checkpoint)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="vLLM tensor-parallel size (GPUs)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                         help="vLLM dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -93,6 +95,7 @@ def run(args) -> int:
     from megatron_dynamo.data.dataset import DatasetNotAvailableError
     from megatron_dynamo.eval.model_source import prepare_model, resolve_checkpoint
     from megatron_dynamo.eval.runner import EvalError, evaluate, format_table, load_benchmarks
+    from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
 
     def fail(message) -> int:
         print(f"dynamo eval: {message}", file=sys.stderr)
@@ -104,10 +107,17 @@ def run(args) -> int:
             raise ValueError("--k is empty")
         config = _eval_config(args, args.template or "qwen_math_boxed")
         source = resolve_checkpoint(args.checkpoint)
+        if args.tokenizer is not None:
+            try:
+                args.tokenizer = str(resolve_model_dir(args.tokenizer, "tokenizer"))
+            except HubModelError as exc:
+                raise EvalError(f"--tokenizer {exc}") from None
         load_benchmarks(config)
     except (ValueError, KeyError, EvalError, DatasetNotAvailableError) as exc:
         return fail(exc)
-    output = Path(args.output or Path("outputs") / "eval" / source.name)
+    # A hub id's snapshot directory is named by its commit: outputs and the table use the model's name.
+    name = str(args.checkpoint).rstrip("/").split("/")[-1] if is_hub_reference(args.checkpoint) else source.name
+    output = Path(args.output or Path("outputs") / "eval" / name)
     try:
         model = prepare_model(source, output, tokenizer=args.tokenizer)
         if args.template is None and model.training_config:
@@ -142,7 +152,7 @@ def run(args) -> int:
                                max_prompt_tokens=max_model_len - 1, progress=not args.no_progress)
     except EvalError as exc:
         return fail(exc)
-    print(format_table([(args.label or model.source.name, summary)]))
+    print(format_table([(args.label or name, summary)]))
     rate = summary["problems_per_second"]
     print(f"\n{output / 'samples.jsonl'}\n{output / 'summary.json'}"
           + (f"\n{summary['generated_problems']} problems generated in {summary['seconds']:.1f} s "

@@ -99,7 +99,9 @@ def run(args) -> int:
 
     try:
         cfg = load_run_config(args.config, args.overrides, algo=args.algo)
-        check_run_inputs(cfg)  # missing files: one line now, not a traceback after the ranks start
+        # Missing files: one line now, not a traceback after the ranks start. Hub ids are resolved here, once:
+        # the ranks get the local snapshot directories.
+        cfg = check_run_inputs(cfg)
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """What ``dynamo eval --checkpoint`` accepts, turned into an HF model directory vLLM can load.
 
 - an HF model directory (``config.json`` + safetensors): used as it is;
+- a hub id (``Qwen/Qwen2.5-Math-1.5B``): its snapshot in the Hugging Face cache (``models/hub.py``);
 - a Megatron model checkpoint of this project (``megatron_dynamo.json``: the converter's output or one step of a
   training run): converted to HF once, into ``<eval output>/hf_model`` (reused when the same source was converted
   before);
@@ -54,9 +55,15 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The model directory an argument names (see the module doc), or EvalError saying what was found."""
+    """The model directory an argument names (see the module doc; a hub id: its snapshot in the Hugging Face
+    cache, downloaded there unless HF_HUB_OFFLINE is set), or EvalError saying what was found."""
+    from megatron_dynamo.models.hub import HubModelError, resolve_model_dir
     from megatron_dynamo.trainer.checkpoint import latest_checkpoint
 
+    try:
+        path = resolve_model_dir(path, "checkpoint")
+    except HubModelError as exc:
+        raise EvalError(f"--checkpoint {exc}") from None
     path = Path(path).expanduser().absolute()
     if not path.exists():
         raise EvalError(f"--checkpoint {path}: no such directory")

@@ -31,7 +31,7 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
     try:
         run = with_algorithm(config, algo)
         validate_tree(run)
-        check_run_inputs(run)
+        run = check_run_inputs(run)  # hub ids -> local snapshots (one of several ranks: from the cache only)
     except ConfigError as exc:
         print(f"dynamo launch: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -8,6 +8,7 @@ Defaults are the paper's (Table 3 and section 2) where the paper gives a value; 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from megatron_dynamo.algorithms.config import AllocationConfig, ModulationConfig, PolicyLossConfig
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml, validate_tree
@@ -19,12 +20,14 @@ DTYPES = ("fp32", "bf16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The policy. ``config`` is an HF config.json (file or directory) giving the architecture; ``checkpoint`` an
-    HF model directory (safetensors) or a Megatron checkpoint written by ``checkpoints_convert`` to start from
-    (random initialisation when None); ``tokenizer`` a tokenizer directory, or "char" for the offline character
-    tokenizer of the synthetic task."""
+    """The policy. ``checkpoint`` an HF model directory (safetensors), a hub id (``Qwen/Qwen2.5-Math-1.5B``, see
+    ``models/hub.py``) or a Megatron checkpoint written by ``checkpoints_convert`` or a training run to start from
+    (random initialisation when None); ``config`` an HF config.json (file or directory) giving the architecture,
+    taken from the checkpoint when None (its config.json, a Megatron checkpoint's hf/config.json): one of the two is
+    needed; ``tokenizer`` a tokenizer directory, a hub id, or "char" for the offline character tokenizer of the
+    synthetic task."""
 
-    config: str = "configs/models/tiny-qwen2.json"
+    config: str | None = None
     checkpoint: str | None = None
     tokenizer: str = "char"
     dtype: str = "fp32"
@@ -32,6 +35,22 @@ class ModelConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.config is None and self.checkpoint is None:
+            raise ValueError("neither config nor checkpoint is given: set model.checkpoint (an HF model directory, "
+                             "hub id or Megatron checkpoint, whose config.json gives the architecture) or model.config "
+                             "(an HF config.json, for a model from random weights)")
+
+    def config_source(self) -> str:
+        """Where the architecture is read from: ``config``, else the checkpoint's config.json (a Megatron
+        checkpoint's ``hf/config.json``). The checkpoint must be a local path here (hub ids resolved first)."""
+        if self.config is not None:
+            return self.config
+        if self.checkpoint is None:
+            raise ValueError("model: neither config nor checkpoint is given")
+        from megatron_dynamo.models.checkpoint_io import CHECKPOINT_HF_DIR, is_model_checkpoint
+
+        checkpoint = str(Path(self.checkpoint).expanduser())
+        return str(Path(checkpoint) / CHECKPOINT_HF_DIR) if is_model_checkpoint(checkpoint) else checkpoint
 
 
 @dataclass(frozen=True)

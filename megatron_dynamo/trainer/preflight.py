@@ -1,6 +1,12 @@
 """Inputs of a run checked before any process group, model or engine exists: the files and directories a recipe
 names. ``dynamo train`` (and the cluster entry) call :func:`check_run_inputs` right after loading the config, so a
-missing file is a one-line error naming the key, not a traceback on rank 0 minutes later."""
+missing file is a one-line error naming the key, not a traceback on rank 0 minutes later.
+
+Hub ids (``model.checkpoint`` / ``model.tokenizer``: ``Qwen/Qwen2.5-Math-1.5B``) are resolved here, once, by the
+launching process (``models/hub.py``: downloaded into the Hugging Face cache, or found there offline), and
+:func:`check_run_inputs` returns the config with their local snapshot directories in their place: the ranks it
+starts get plain paths (which also record the snapshot's commit in the run's config.json) and never touch the hub.
+Under torchrun/srun every process is a rank and runs this check: there the cache is only read (download first)."""
 
 from __future__ import annotations
 
@@ -11,15 +17,43 @@ from megatron_dynamo.config import ConfigError
 from megatron_dynamo.trainer.config import RunConfig
 
 
-def _check_model_config(path: str) -> None:
+def _check_model_config(path: str, key: str = "model.config") -> None:
     config = Path(path).expanduser()
     file = config / "config.json" if config.is_dir() else config
     if not file.is_file():
-        raise ConfigError(f"model.config: no such file: {file}")
+        raise ConfigError(f"{key}: no such file: {file}")
     try:
         json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"model.config: {file} is not valid JSON ({exc})") from None
+        raise ConfigError(f"{key}: {file} is not valid JSON ({exc})") from None
+
+
+def _one_of_many_ranks() -> bool:
+    """This process is one rank of a torchrun / srun launch of several processes."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1) > 1
+
+
+def resolve_run_models(run: RunConfig, local_only: bool | None = None) -> RunConfig:
+    """``run`` with hub ids in ``model.checkpoint`` / ``model.tokenizer`` replaced by their local snapshot
+    directories (local paths and "char" unchanged). ``local_only``: read the cache only (default: when this
+    process is one of several ranks). Raises ConfigError naming the key."""
+    from dataclasses import replace
+
+    from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
+
+    if local_only is None:
+        local_only = _one_of_many_ranks()
+    resolved = {}
+    for key, purpose in (("checkpoint", "checkpoint"), ("tokenizer", "tokenizer")):
+        value = getattr(run.model, key)
+        if value is not None and value != "char" and is_hub_reference(value):
+            try:
+                resolved[key] = str(resolve_model_dir(value, purpose, local_only=local_only))
+            except HubModelError as exc:
+                raise ConfigError(f"model.{key}: {exc}") from None
+    return replace(run, model=replace(run.model, **resolved)) if resolved else run
 
 
 def _check_checkpoint(path: str) -> None:
@@ -48,11 +82,16 @@ def _check_dataset(key: str, name: str, data_dir: str | None) -> None:
         raise ConfigError(f"{key}: {exc}") from None
 
 
-def check_run_inputs(run: RunConfig) -> None:
-    """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used."""
-    _check_model_config(run.model.config)
+def check_run_inputs(run: RunConfig, local_only: bool | None = None) -> RunConfig:
+    """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used; return
+    ``run`` with hub ids resolved to local directories (:func:`resolve_run_models`), which is what the ranks get."""
+    run = resolve_run_models(run, local_only)
+    if run.model.config is not None:
+        _check_model_config(run.model.config)
     if run.model.checkpoint is not None:
         _check_checkpoint(run.model.checkpoint)
+        if run.model.config is None:  # the architecture comes from the checkpoint's config.json
+            _check_model_config(run.model.config_source(), "model.checkpoint")
     if run.model.tokenizer != "char" and not Path(run.model.tokenizer).expanduser().is_dir():
         raise ConfigError(f"model.tokenizer: no such directory: {run.model.tokenizer} (a tokenizer directory, or "
                           "'char' for the synthetic task's character tokenizer)")
@@ -73,3 +112,4 @@ def check_run_inputs(run: RunConfig) -> None:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
         for benchmark in evaluation.benchmarks:
             _check_dataset("evaluation.benchmarks", benchmark, data_dir)
+    return run

@@ -77,7 +77,12 @@ class Trainer:
         from megatron_dynamo.models.qwen import load_hf_config
         from megatron_dynamo.parallel import runtime
         from megatron_dynamo.trainer.checkpoint import list_checkpoints
+        from megatron_dynamo.trainer.preflight import resolve_run_models
 
+        try:  # hub ids: their snapshots in the cache, never the network (the launcher's preflight resolved them)
+            run = resolve_run_models(run, local_only=True)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
         self.run = run
         self.resume = resume
         self.output_dir = Path(run.trainer.output_dir)
@@ -96,7 +101,7 @@ class Trainer:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.output_dir / "tokenizer"))
-        self.hf_config = load_hf_config(run.model.config)
+        self.hf_config = load_hf_config(run.model.config_source())  # model.config, else the checkpoint's
         self.engine_max_len = min(self.hf_config.get("max_position_embeddings", 4096),
                                   run.data.max_prompt_tokens + run.rollout.max_response_tokens)
         self._check_evaluation()
