@@ -104,14 +104,21 @@ def test_site_roots_rebase_the_yaml_paths_and_explicit_overrides_win(monkeypatch
 
 
 # ---------------------------------------------------------------------------------------------- entry points
-def test_entry_train_runs_the_train_command_path_with_resume(monkeypatch):
+def test_entry_train_runs_the_train_command_path_with_resume(monkeypatch, capsys):
     import megatron_dynamo.commands.train as train_cmd
+    import megatron_dynamo.trainer.preflight as preflight
 
     calls = []
     monkeypatch.setattr(train_cmd, "train_on_rank", lambda *args: calls.append(args))
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "16")
     cfg = load_run_config(str(ROOT / "configs/qwen3-14b.yaml"))
+    # The recipe's checkpoint and data live on a cluster: the entry checks inputs first, in one line.
+    with pytest.raises(SystemExit) as exit_info:
+        entry.train(cfg, algo="grpo")
+    assert exit_info.value.code == 2 and "model.checkpoint" in capsys.readouterr().err
+    assert not calls
+    monkeypatch.setattr(preflight, "check_run_inputs", lambda run: run)  # as if the cluster's files were there
     entry.train(cfg, algo="grpo")
     ((rank, world, run, resume),) = calls
     assert (rank, world, resume) == (3, 16, True)

@@ -247,6 +247,20 @@ def _fault_worker(rank, world_size, output_dir):
         step_module.dynamo_loss_fn = real_loss_fn
     unchanged = all(torch.equal(before[n], p) for n, p in trainer.actor.named_parameters())
     good_metrics = trainer.runner.run_step(2)
+    # A failure while loading weights into the engine: a RolloutError on every rank, not a bare traceback.
+    real_load = trainer.engine.load_packed_bucket
+
+    def broken_load(bucket):
+        raise RuntimeError("engine refused the bucket")
+
+    trainer.engine.load_packed_bucket = broken_load
+    try:
+        trainer.runner._sync_weights(2)
+        sync_error = None
+    except step_module.RolloutError as exc:
+        sync_error = str(exc)
+    finally:
+        trainer.engine.load_packed_bucket = real_load
     # Kill the vLLM engine's processes, as an out-of-memory killer or a crash would.
     for child in psutil.Process().children(recursive=True):
         try:
@@ -265,7 +279,7 @@ def _fault_worker(rank, world_size, output_dir):
     except Exception:  # noqa: BLE001 - closing a dead engine may complain; the test is about the error above
         pass
     return {"nan": {k: nan_metrics.get(k) for k in ("skipped", "optimizer_steps")}, "unchanged": unchanged,
-            "good_steps": good_metrics["optimizer_steps"], "engine_error": engine_error}
+            "good_steps": good_metrics["optimizer_steps"], "engine_error": engine_error, "sync_error": sync_error}
 
 
 @pytest.mark.slow
@@ -276,6 +290,8 @@ def test_nan_loss_is_skipped_and_a_dead_engine_is_reported(tmp_path):
     assert out["nan"]["optimizer_steps"] == 0 and "non-finite loss" in out["nan"]["skipped"]
     assert out["unchanged"] and out["good_steps"] == 1
     assert out["engine_error"] and "rollout engine failed" in out["engine_error"] and "--resume" in out["engine_error"]
+    assert "loading the new weights into the rollout engine failed (RuntimeError: engine refused the bucket)" in \
+        out["sync_error"]
 
 
 @pytest.mark.slow

@@ -173,7 +173,7 @@ class StepRunner:
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
         update_metrics = self._update(samples, prompt_ids, timer)
         with timer("weight_sync"):
-            sync_stats = self._sync_weights()
+            sync_stats = self._sync_weights(step)
         counts = np.asarray(counts)
         metrics = {
             "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
@@ -290,11 +290,21 @@ class StepRunner:
             metrics["skipped"] = "; ".join(skipped)
         return metrics
 
-    def _sync_weights(self) -> dict[str, float]:
+    def _sync_weights(self, step: int) -> dict[str, float]:
+        """Collective: the new weights into the engine. A failure on the engine's rank (which keeps relaying, so
+        no rank hangs) becomes a :class:`RolloutError` on every rank."""
         from megatron_dynamo.rollout.weight_sync import sync_weights
 
-        stats = sync_weights(self.engine, self.actor, bucket_bytes=self.run.rollout.weight_sync_bucket_mb << 20,
-                             dtype=self.rollout_dtype)
+        stats, failure = None, None
+        try:
+            stats = sync_weights(self.engine, self.actor, bucket_bytes=self.run.rollout.weight_sync_bucket_mb << 20,
+                                 dtype=self.rollout_dtype)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            failure = f"{type(exc).__name__}: {exc}"
+        failure = broadcast_object(failure)
+        if failure is not None:
+            raise RolloutError(f"step {step}: loading the new weights into the rollout engine failed ({failure}). "
+                               "The checkpoints written so far are intact: fix the cause and rerun with --resume.")
         return stats.as_metrics() if dist.get_rank() == 0 else {}
 
 
