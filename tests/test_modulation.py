@@ -127,6 +127,18 @@ def test_the_factors_actually_modulate():
     assert stats["modulation/beta_comp_mean_pos"] > 1 and stats["modulation/beta_stab_min"] >= 0.6
 
 
+def test_the_factor_spread_is_its_10th_and_90th_percentile():
+    fields, _ = make_batch()
+    fields["advantages"] = fields["advantages"] + 0.25  # no A = 0: every token's factor is A_final / A
+    got, stats = call_modulate(fields, ModulationConfig())
+    token_adv = fields["advantages"].unsqueeze(-1).expand_as(got)
+    scale = (got / token_adv)[fields["mask"]].numpy()
+    assert (fields["advantages"] != 0).all() and scale.min() < 0.9 and scale.max() > 1.1
+    assert stats["modulation/scale_p10"].item() == pytest.approx(np.percentile(scale, 10), rel=1e-9)
+    assert stats["modulation/scale_p90"].item() == pytest.approx(np.percentile(scale, 90), rel=1e-9)
+    assert stats["modulation/scale_p10"] < stats["modulation/scale_mean"] < stats["modulation/scale_p90"]
+
+
 def test_all_switches_off_is_plain_grpo():
     fields, _ = make_batch()
     got, stats = call_modulate(fields, ModulationConfig(gc=False, ums=False))

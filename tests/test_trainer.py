@@ -162,6 +162,13 @@ def test_training_run_writes_metrics_checkpoints_and_plot(uninterrupted):
         assert all(key in m for m in metrics), key
     assert all(m["rollouts"] == 8 * 4 == sum(m["alloc_counts"]) for m in metrics)
     assert all(2 <= c <= 6 for m in metrics for c in m["alloc_counts"])
+    # Per-prompt rows for `dynamo report`: each step's prompts, their allocated counts, their correct responses.
+    prompts = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    for m in metrics:
+        rows = [p for p in prompts if p["step"] == m["step"]]
+        assert [p["count"] for p in rows] == m["alloc_counts"] and all(0 <= p["correct"] <= p["count"] for p in rows)
+        assert sum(p["correct"] for p in rows) / m["rollouts"] == pytest.approx(m["reward_mean"])
+        assert 0.6 <= m["modulation/scale_p10"] <= m["modulation/scale_p90"] <= 1.3
     assert stdout.count("step ") >= 4 and "| reward " in stdout
     assert os.path.isfile(out / "reward_curve.png")
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_000002", "step_000004"]
@@ -198,12 +205,16 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
         f.write(json.dumps({"step": 3, "reward_mean": -1.0}) + '\n{"step": 4, "rew')
     with SummaryWriter(str(tmp_path / "tensorboard")) as writer:
         writer.add_scalar("reward_mean", -1.0, 3)
+    with open(tmp_path / "prompts.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "prompt_id": "crashed", "count": 1, "correct": 0}) + "\n")
     resumed, _ = _train(tmp_path, "trainer.steps=4", "--resume", *_eval_args(tmp_path))
     assert [m["step"] for m in first] == [0, 1, 2] and [m["step"] for m in resumed] == [0, 1, 2, 3, 4]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     scalars = [(e.step, e.value) for e in events.Scalars("reward_mean")]
     assert [step for step, _ in scalars] == [1, 2, 3, 4] and -1.0 not in [value for _, value in scalars]
+    # The crashed step's per-prompt rows are dropped too: each step's prompts appear once, as in the full run.
+    assert (tmp_path / "prompts.jsonl").read_text() == (uninterrupted[0] / "prompts.jsonl").read_text()
     for a, b in zip(full, resumed):
         assert a.get("alloc_counts") == b.get("alloc_counts"), a["step"]
         for key in ("reward_mean", "loss", "entropy_mean", "grad_norm", "eval/avg/pass@1", "eval/avg/pass@4"):

@@ -193,6 +193,21 @@ def _entropy_range(entropy: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Te
     return low, high
 
 
+def _quantiles(values: torch.Tensor, qs: Sequence[float]) -> list[torch.Tensor]:
+    """Quantiles of a 1-d tensor with linear interpolation (torch.quantile's default, without its input-size
+    limit); 1.0 each for an empty tensor (the neutral factor, as ``beta_stab_min``)."""
+    if values.numel() == 0:
+        return [torch.ones((), dtype=torch.float64, device=values.device) for _ in qs]
+    ordered = values.detach().to(torch.float64).flatten().sort().values
+    out = []
+    for q in qs:
+        position = q * (ordered.numel() - 1)
+        low = int(position)
+        high = min(low + 1, ordered.numel() - 1)
+        out.append(ordered[low] + (position - low) * (ordered[high] - ordered[low]))
+    return out
+
+
 def _reduce_scope(packed: torch.Tensor, group: Any) -> torch.Tensor:
     """MAX all-reduce over ``group``, on the entropies' device: the group's (NCCL: the GPU, gloo: the CPU)."""
     import torch.distributed as dist  # only when a group is given
@@ -243,7 +258,8 @@ def modulate_advantages(advantages: torch.Tensor, entropy: torch.Tensor, logp: t
     ``scope`` should come from ``modulation_scope`` over the whole mini-batch; without it the scope of this batch
     alone is used (reduced over ``group`` if given), which is right only when this batch is the whole mini-batch.
     Returns the detached token-level A_final (advantages' dtype, token shape) and detached stats local to this
-    batch (means over its valid tokens) plus the global scope values. With GC and UMS off, A is returned
+    batch (means over its valid tokens, the minimum of beta_stab, the 10th/90th percentiles of the factor
+    beta_comp * beta_stab) plus the global scope values. With GC and UMS off, A is returned
     unchanged (broadcast to tokens): plain GRPO.
     """
     cfg = ModulationConfig() if cfg is None else cfg
@@ -280,6 +296,8 @@ def modulate_advantages(advantages: torch.Tensor, entropy: torch.Tensor, logp: t
             stats["modulation/delta_h_mean"] = masked_mean(delta_h, valid)
         scale = compensation * stabilisation
         stats["modulation/scale_mean"] = masked_mean(scale, valid)
+        # The spread of the per-token factor beta_comp * beta_stab over this batch's valid tokens.
+        stats["modulation/scale_p10"], stats["modulation/scale_p90"] = _quantiles(scale[valid], (0.1, 0.9))
         final = (token_advantages.to(dtype) * scale).to(out_dtype)
     return final, stats
 

@@ -92,6 +92,16 @@ def truncate_metrics(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def append_step_rows(path: str, rows: list[dict[str, Any]], drop_from_step: int | None = None) -> None:
+    """Append JSON rows (each with a ``step``) to ``path``; with ``drop_from_step``, the rows of that step and
+    later already in the file are dropped first (as a resumed run's ``metrics.jsonl`` is truncated)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if drop_from_step is not None:
+        truncate_metrics(path, drop_from_step - 1)
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -11,6 +11,7 @@ each rank does on its data-parallel share and its pipeline/tensor shard.
 from __future__ import annotations
 
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class StepRunner:
         self.sampling = sampling
         self.pad_token_id = pad_token_id
         self.rollout_dtype = rollout_dtype
+        self._prompt_log_started = False  # the first step logged to prompts.jsonl drops that file's later rows
 
     # ------------------------------------------------------------------ stages
     def _prompts(self, examples) -> list[tuple[int, ...]]:
@@ -171,6 +173,8 @@ class StepRunner:
                                    normalize_std=run.dynamo.normalize_advantage_std)
             samples = [Sample(i, pid, tuple(ptoks), tuple(rtoks), rewards[i], float(advantages[i]))
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
+        if rank == 0:
+            self._log_prompts(step, prompt_ids, counts, response_ids, rewards)
         update_metrics = self._update(samples, prompt_ids, timer)
         with timer("weight_sync"):
             sync_stats = self._sync_weights(step)
@@ -190,6 +194,22 @@ class StepRunner:
         }
         metrics["step_seconds"] = time.perf_counter() - start
         return metrics
+
+    def _log_prompts(self, step, prompt_ids, counts, response_ids, rewards) -> None:
+        """Rank 0: one row per prompt of this step in ``<output_dir>/prompts.jsonl``, ``{"step", "prompt_id",
+        "count" (rollouts allocated), "correct" (responses with reward 1)}`` (``dynamo report`` plots success rate
+        against allocation from it). The first step this runner logs first drops the file's rows of that step and
+        later (a resumed run's steps after its checkpoint, or an earlier run's rows in the same directory)."""
+        from megatron_dynamo.trainer.metrics import append_step_rows
+
+        correct: dict[Any, int] = {}
+        for pid, reward in zip(response_ids, rewards):
+            correct[pid] = correct.get(pid, 0) + int(reward > 0.5)
+        rows = [{"step": step, "prompt_id": pid if isinstance(pid, (str, int)) else str(pid), "count": int(n),
+                 "correct": correct.get(pid, 0)} for pid, n in zip(prompt_ids, counts)]
+        append_step_rows(os.path.join(self.run.trainer.output_dir, "prompts.jsonl"), rows,
+                         drop_from_step=None if self._prompt_log_started else step)
+        self._prompt_log_started = True
 
     # ------------------------------------------------------------------ model work
     def micro_batches_for(self, samples: list[Sample]):
