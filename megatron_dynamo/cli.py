@@ -6,6 +6,8 @@
     dynamo compare         GRPO vs DynaMO variants over seeds: rollouts to reach a reward threshold
     dynamo eval            pass@1 / pass@k on AIME24/25, AMC23, MATH500, Minerva, OlympiadBench (vLLM + math-verify)
     dynamo data            bring your own data: `data prepare NAME|HUB_ID` fetches and converts a hub math dataset
+    dynamo report          one page (PNG + self-contained HTML) of runs' curves: reward, entropy, length, variance
+                           ratio, allocation heat map, success vs allocation, modulation, pass@k
     dynamo <cmd> --help    every option of a subcommand
 """
 
@@ -23,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("megatron_dynamo.commands.compare", "GRPO vs DynaMO over seeds: rollouts to reach a reward threshold"),
     "launch": ("megatron_dynamo.commands.launch", "cluster recipes (1.5B/7B/14B, conversion) via nemo-run"),
     "eval": ("megatron_dynamo.commands.eval", "pass@1 / pass@k of a checkpoint on the paper's six benchmarks"),
+    "report": ("megatron_dynamo.commands.report", "one page (PNG + HTML) of a run's curves; several runs overlaid"),
     "data": ("megatron_dynamo.commands.data", "fetch / convert hub math datasets to <out>/<name>.jsonl (data prepare)"),
 }
 
