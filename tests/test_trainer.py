@@ -1,8 +1,10 @@
 """The trainer: config checks, batch layout, atomic checkpoints, and end-to-end runs of `dynamo train` with the
 real vLLM (CPU build), real math-verify and Megatron on CPU: metrics, checkpoints, and exact resume."""
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,12 +123,12 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert out["restored"] and out["state"] == {"x": 1}
 
 
-def _train(output_dir, *extra):
+def _train(output_dir, *extra, env=None):
     cmd = [sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT, f"trainer.output_dir={output_dir}",
            "trainer.sft_warmup_steps=30", "data.prompts_per_step=8", "trainer.mini_batch_prompts=4",
            "dynamo.allocation.n_avg=4", "dynamo.allocation.n_min=2", "dynamo.allocation.n_max=6",
            "data.synthetic_problems=16", "checkpoint.every=2", "logging.tensorboard=true", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f], proc.stdout
@@ -145,11 +147,105 @@ def _eval_args(output_dir):
             "evaluation.k=[2,4]"]
 
 
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    metrics, stdout = _train(out, "trainer.steps=4", "checkpoint.export_hf=true", *_eval_args(out))
+    extra, env = [], None
+    if HAS_WANDB:  # W&B offline (no network, nothing outside the test's directories) next to TensorBoard
+        wandb_home = tmp_path_factory.mktemp("wandb_home")
+        env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_home),
+               "WANDB_CONFIG_DIR": str(wandb_home / "config"), "WANDB_CACHE_DIR": str(wandb_home / "cache")}
+        extra = ["logging.wandb.mode=offline"]
+    metrics, stdout = _train(out, "trainer.steps=4", "checkpoint.export_hf=true", *_eval_args(out), *extra, env=env)
     return out, metrics, stdout
+
+
+def _documented_metrics() -> dict[str, str]:
+    """docs/metrics.md's tables: ``{key pattern: "logged" column}``."""
+    documented = {}
+    with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| `") and len(cells) == 4:
+                documented[cells[0].strip("`")] = cells[3]
+    return documented
+
+
+def _key_regex(pattern: str):
+    return re.compile(re.escape(pattern).replace("<benchmark>", "[^/]+").replace("<k>", r"\d+"))
+
+
+@pytest.mark.slow
+def test_metrics_jsonl_holds_exactly_the_documented_keys(uninterrupted):
+    # The run has what a key can depend on: DynaMO with GC and UMS, evaluation (step 0 and every 2 steps).
+    _, metrics, _ = uninterrupted
+    documented = _documented_metrics()
+    assert len(documented) > 50 and "reward_mean" in documented and "eval/<benchmark>/pass@<k>" in documented
+    logged = set().union(*metrics)
+    regexes = {pattern: _key_regex(pattern) for pattern in documented}
+    undocumented = sorted(k for k in logged if not any(r.fullmatch(k) for r in regexes.values()))
+    never_logged = sorted(p for p, r in regexes.items()
+                          if not documented[p].startswith("only") and not any(r.fullmatch(k) for k in logged))
+    assert not undocumented and not never_logged, (undocumented, never_logged)
+    assert not any(k.count("/") > 1 and k.split("/")[0] == k.split("/")[1] for k in logged)  # no reward/reward/...
+
+
+def _wandb_records(path):
+    """The protobuf records of an offline W&B run file (``run-<id>.wandb``: W&B's header, then LevelDB-log framed
+    ``wandb_internal_pb2.Record`` messages in 32 KiB blocks)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # FULL, or LAST of a fragmented record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending + chunk if kind == 4 else chunk)
+            pending = b""
+            yield record
+        elif kind in (2, 3):  # FIRST / MIDDLE
+            pending = chunk if kind == 2 else pending + chunk
+        else:
+            pos += block - pos % block if length == 0 else 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (the `wandb` extra)")
+def test_wandb_offline_run_logs_the_same_keys_steps_and_config(uninterrupted):
+    import glob
+
+    out, metrics, _ = uninterrupted
+    (run_file,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history, config, exit_code = {}, {}, None
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            keys = {k for k in items if not k.startswith("_")}
+            # A histogram (alloc_counts) is stored as <key>/_type, <key>/values, <key>/bins.
+            histograms = {k.rsplit("/", 1)[0] for k in keys if k.endswith("/_type")}
+            keys = {k for k in keys if k.rsplit("/", 1)[0] not in histograms} | histograms
+            history[int(items["_step"])] = keys
+        elif kind in ("run", "config"):
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config.update({u.key: json.loads(u.value_json) for u in updates if u.key != "_wandb"})
+        elif kind == "exit":
+            exit_code = record.exit.exit_code
+    assert history == {m["step"]: set(m) - {"step"} for m in metrics}
+    assert config == json.loads((out / "config.json").read_text())
+    assert exit_code == 0  # finished cleanly
+    assert (out / "wandb_run_id").read_text().strip() in run_file
 
 
 @pytest.mark.slow

@@ -74,7 +74,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reward-timeout", type=int, default=5,
                         help="math-verify seconds per answer; a timeout scores 0")
     parser.add_argument("--label", default=None, help="row label of the printed table (default: checkpoint name)")
-    parser.add_argument("--no-progress", action="store_true", help="no per-batch progress lines")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (on a terminal) or per-batch progress lines (otherwise)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="the libraries' own logs and warnings too (vLLM's start-up, Megatron's conversion)")
 
 
 def _eval_config(args, template: str):
@@ -91,7 +94,11 @@ def _eval_config(args, template: str):
 
 
 def run(args) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from megatron_dynamo import library_logs
+
+    library_logs.apply(args.verbose)  # the table and the progress, not vLLM's start-up chatter (see library_logs)
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from megatron_dynamo.data.dataset import DatasetNotAvailableError
     from megatron_dynamo.eval.model_source import prepare_model, resolve_checkpoint
     from megatron_dynamo.eval.runner import EvalError, evaluate, format_table, load_benchmarks

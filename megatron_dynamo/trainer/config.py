@@ -202,14 +202,40 @@ class EvaluationConfig:
             raise ValueError(f"every must be >= 0 (0: off), got {self.every}")
 
 
+WANDB_MODES = ("disabled", "online", "offline")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases, next to TensorBoard and ``metrics.jsonl`` (rank 0; the same metric names and steps; the
+    run's ``config.json`` as the W&B config). ``mode``: ``disabled`` (default), ``online`` or ``offline`` (files
+    under ``<dir>/wandb``, ``wandb sync`` uploads them later); anything else needs ``pip install -e ".[wandb]"``.
+    ``name``: the W&B run name (default: the output directory's name); ``dir`` default: the output directory. A
+    resumed run (``--resume``) continues the same W&B run."""
+
+    project: str = "megatron_dynamo"
+    name: str | None = None
+    mode: str = "disabled"
+    dir: str | None = None
+
+    def validate(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"mode must be one of {WANDB_MODES}, got {self.mode!r}")
+
+
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Metrics go to ``<output_dir>/metrics.jsonl``, TensorBoard (``tensorboard``) and a one-line progress display
-    per step; ``plot`` writes ``reward_curve.png`` next to the metrics at the end."""
+    """Metrics go to ``<output_dir>/metrics.jsonl`` (every key: ``docs/metrics.md``), TensorBoard
+    (``tensorboard``), W&B (``wandb``) and, with ``progress``, the console: one summary line per step with the ETA
+    (and a progress bar on a terminal); ``plot`` writes ``reward_curve.png`` next to the metrics at the end.
+    ``verbose``: the libraries' own logs and warnings too (Megatron, vLLM); off, the console shows the run's lines
+    only (see ``megatron_dynamo/library_logs.py`` for what is left out and why)."""
 
     tensorboard: bool = True
     progress: bool = True
     plot: bool = True
+    verbose: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass(frozen=True)

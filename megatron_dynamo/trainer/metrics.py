@@ -1,5 +1,7 @@
-"""Per-step metrics: one JSON object per line in ``<output dir>/metrics.jsonl``, TensorBoard scalars, a one-line
-progress display, and a reward curve PNG at the end. Only the process that owns the logger (rank 0) writes."""
+"""Per-step metrics: one JSON object per line in ``<output dir>/metrics.jsonl``, TensorBoard scalars, Weights &
+Biases (optional), a one-line summary per step on the console (with the ETA, above a progress bar on a terminal),
+and a reward curve PNG at the end. Only the process that owns the logger (rank 0) writes. Every metric name, its
+meaning and unit: ``docs/metrics.md``."""
 
 from __future__ import annotations
 
@@ -7,21 +9,33 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
+
+
+class MetricsLoggerError(RuntimeError):
+    """A metrics sink cannot start (W&B: login, network); the message is one line."""
 
 
 class MetricsLogger:
     """``resume_from``: the step of the checkpoint a resumed run continues from. Rows of later steps (logged
     before the crash, and about to be logged again) are dropped from ``metrics.jsonl`` and from TensorBoard, so
-    every step appears once. None: a new run (the file is started afresh)."""
+    every step appears once. None: a new run (the file is started afresh). ``wandb``: a
+    :class:`~megatron_dynamo.trainer.config.WandbConfig` (mode other than disabled: a W&B run logs the same names
+    and steps, with ``run_config`` as its config); ``verbose``: W&B's own console lines too."""
 
     def __init__(self, output_dir: str, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
-                 resume_from: int | None = None):
+                 resume_from: int | None = None, wandb=None, run_config: dict[str, Any] | None = None,
+                 verbose: bool = False):
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.total_steps = total_steps
         self.progress = progress
+        self._wandb = None
+        if wandb is not None and wandb.mode != "disabled":
+            self._wandb = start_wandb(wandb, output_dir, run_config, resumed=resume_from is not None, verbose=verbose)
+        self._console = StepProgress(total_steps, resume_from or 0) if progress else None
         if resume_from is not None:
             truncate_metrics(self.path, resume_from)
         self._file = open(self.path, "a" if resume_from is not None else "w", encoding="utf-8")
@@ -42,13 +56,108 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
-        if self.progress:
-            print(progress_line(record, self.total_steps), file=sys.stdout, flush=True)
+        if self._wandb is not None:
+            self._wandb.log({k: _wandb_value(v) for k, v in metrics.items()}, step=step)
+        if self._console is not None:
+            self._console.update(record)
 
     def close(self) -> None:
+        """Close every sink; the W&B run is marked failed when this is called while an exception propagates."""
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._console is not None:
+            self._console.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=0 if sys.exc_info()[0] is None else 1)
+            self._wandb = None
+
+
+def start_wandb(cfg, output_dir: str, run_config: dict[str, Any] | None, resumed: bool, verbose: bool = False):
+    """A W&B run for ``cfg`` (a WandbConfig): named after the output directory unless ``cfg.name``, files under
+    ``<cfg.dir or output_dir>/wandb``. Its id is kept in ``<output_dir>/wandb_run_id``: a resumed run continues
+    the same W&B run (W&B ignores the steps it already has)."""
+    import wandb
+
+    directory = os.path.abspath(cfg.dir or output_dir)
+    os.makedirs(directory, exist_ok=True)
+    id_file = os.path.join(output_dir, "wandb_run_id")
+    run_id = None
+    if resumed and os.path.isfile(id_file):
+        with open(id_file, encoding="utf-8") as f:
+            run_id = f.read().strip() or None
+    try:
+        run = wandb.init(project=cfg.project, name=cfg.name or os.path.basename(os.path.abspath(output_dir)),
+                         mode=cfg.mode, dir=directory, config=run_config, id=run_id,
+                         resume="allow" if run_id else None, settings=wandb.Settings(silent=not verbose))
+    except Exception as exc:  # noqa: BLE001 - login, network, bad settings: one line for the user
+        raise MetricsLoggerError(f"logging.wandb: wandb.init failed ({type(exc).__name__}: {exc})") from None
+    with open(id_file, "w", encoding="utf-8") as f:
+        f.write(run.id + "\n")
+    return run
+
+
+def _wandb_value(value: Any) -> Any:
+    """W&B takes numbers (NaN included) and strings as they are; a list of numbers (``alloc_counts``) becomes a
+    histogram."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        import wandb
+
+        return wandb.Histogram([float(v) for v in value])
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """``01:05`` (mm:ss) or ``2:03:04`` (h:mm:ss), as tqdm writes its ETA."""
+    from tqdm import tqdm
+
+    return tqdm.format_interval(max(0.0, seconds))
+
+
+class StepProgress:
+    """The training console: one summary line per step (:func:`progress_line`) ending in the ETA (the mean time of
+    the steps this process ran times the steps left), on stdout; on a terminal, also a tqdm bar of steps (with its
+    own rate and ETA) on stderr under the lines, gone when the run ends. Log records written while the bar is shown
+    go through tqdm, so they do not tear it. ``bar``: force the bar on or off (default: when stderr is a
+    terminal)."""
+
+    def __init__(self, total_steps: int, done_steps: int = 0, bar: bool | None = None):
+        from tqdm import tqdm
+
+        self.total_steps = total_steps
+        self._last_step = done_steps
+        self._timed_steps = 0
+        self._start = time.perf_counter()
+        show = sys.stderr.isatty() if bar is None else bar
+        self._bar = tqdm(total=total_steps, initial=done_steps, unit="step", desc="train", leave=False,
+                         dynamic_ncols=True, file=sys.stderr, disable=not show)
+        self._redirect = None
+        if show:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+
+    def update(self, record: dict[str, Any]) -> str:
+        step, eta = record["step"], None
+        if step > self._last_step:  # a training step (not the evaluation row of step 0)
+            self._timed_steps += step - self._last_step
+            self._bar.update(step - self._last_step)
+            self._last_step = step
+            per_step = (time.perf_counter() - self._start) / self._timed_steps
+            eta = format_duration(per_step * (self.total_steps - step))
+        line = progress_line(record, self.total_steps, eta)
+        self._bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+        return line
+
+    def close(self) -> None:
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        self._bar.close()
 
 
 def _plain(value: Any) -> Any:
@@ -59,8 +168,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def progress_line(record: dict[str, Any], total_steps: int) -> str:
-    """``step 12/100 | reward 0.412 | rollouts 256 [4-12] | var-ratio 0.81 | H 1.23 | gnorm 0.41 | 3.2s``"""
+def progress_line(record: dict[str, Any], total_steps: int, eta: str | None = None) -> str:
+    """``step 12/100 | reward 0.412 | rollouts 256 [4-12] | var-ratio 0.81 | H 1.23 | gnorm 0.41 | 3.2s | ETA 02:31``
+    (``| ETA`` when ``eta`` is given; ``| SKIPPED: <why>`` last when an update was skipped)."""
     def get(key, fmt):
         value = record.get(key)
         return format(value, fmt) if isinstance(value, (int, float)) else "-"
@@ -68,7 +178,8 @@ def progress_line(record: dict[str, Any], total_steps: int) -> str:
     return (f"step {record['step']}/{total_steps} | reward {get('reward_mean', '.3f')} | rollouts "
             f"{get('rollouts', 'd')} [{get('alloc_min', 'd')}-{get('alloc_max', 'd')}] | var-ratio "
             f"{get('variance_ratio', '.2f')} | H {get('entropy_mean', '.3f')} | gnorm {get('grad_norm', '.3f')} | "
-            f"{get('step_seconds', '.1f')}s" + (" | SKIPPED: " + record["skipped"] if record.get("skipped") else ""))
+            f"{get('step_seconds', '.1f')}s" + (f" | ETA {eta}" if eta is not None else "")
+            + (" | SKIPPED: " + record["skipped"] if record.get("skipped") else ""))
 
 
 def truncate_metrics(path: str, last_step: int) -> None:

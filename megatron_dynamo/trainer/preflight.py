@@ -112,4 +112,10 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None) -> RunConfi
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
         for benchmark in evaluation.benchmarks:
             _check_dataset("evaluation.benchmarks", benchmark, data_dir)
+    if run.logging.wandb.mode != "disabled":
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"logging.wandb.mode={run.logging.wandb.mode} needs wandb, which is not installed: "
+                              "pip install -e '.[wandb]' (or logging.wandb.mode=disabled)")
     return run

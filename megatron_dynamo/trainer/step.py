@@ -112,8 +112,9 @@ class StepRunner:
     @contextmanager
     def engine_awake(self):
         """Rank 0: the engine awake for a generation phase (rollout, evaluation), asleep again after it when
-        ``rollout.sleep_during_training``. No sleep after a failure: the run ends, and a dead engine cannot sleep."""
-        sleeping = self.run.rollout.sleep_during_training
+        ``rollout.sleep_during_training`` and the engine has a sleep mode (vLLM's CPU backend has none: nothing to
+        free, so nothing is called). No sleep after a failure: the run ends, and a dead engine cannot sleep."""
+        sleeping = self.run.rollout.sleep_during_training and getattr(self.engine, "sleep_mode", True)
         if sleeping:
             self.engine.wake_up()
         yield
@@ -135,10 +136,11 @@ class StepRunner:
             scored = self.scorer.score([r.text or "" for r in responses], [references[r.prompt_id] for r in responses],
                                        finish_reasons=[r.finish_reason for r in responses])
         plain = [(r.prompt_id, r.prompt_token_ids, r.token_ids) for r in responses]
-        reward_metrics = {f"reward/{k}": v for k, v in scored.stats.as_metrics().items()}
+        reward_metrics = scored.stats.as_metrics()  # reward/<reason>, reward/accuracy, ... (docs/metrics.md)
         lengths = [len(r.token_ids) for r in responses]
         reward_metrics["response_length_mean"] = float(np.mean(lengths)) if lengths else 0.0
-        reward_metrics["response_truncated_frac"] = float(np.mean([r.truncated for r in responses])) if lengths else 0.0
+        reward_metrics["rollout/response_length_max"] = float(max(lengths)) if lengths else 0.0
+        reward_metrics["rollout/truncated_frac"] = float(np.mean([r.truncated for r in responses])) if lengths else 0.0
         return plain, [float(x) for x in scored.rewards], reward_metrics
 
     def run_step(self, step: int) -> dict[str, Any]:
@@ -186,7 +188,7 @@ class StepRunner:
             "alloc_max": int(counts.max()),
             "variance_ratio": float(variance_ratio),
             "alloc_counts": [int(c) for c in counts],
-            "prompts_solved_frac": _solved_fraction(response_ids, rewards),
+            "reward/prompts_solved_frac": _solved_fraction(response_ids, rewards),
             **update_metrics,
             **reward_metrics,
             **sync_stats,
@@ -294,7 +296,8 @@ class StepRunner:
                     for r in results:
                         n = float(r.get("actor/num_tokens", 0.0))
                         for key, value in r.items():
-                            if key.startswith(("actor/", "modulation/")) and key != "actor/num_tokens":
+                            # Token-weighted means; the token counts themselves are weights, not metrics.
+                            if key.startswith(("actor/", "modulation/")) and not key.endswith("/num_tokens"):
                                 s, c = local.get(key, (0.0, 0.0))
                                 local[key] = (s + float(value) * n, c + n)
                     # Micro-batch losses carry the global denominator: their sum over micro-batches and DP ranks

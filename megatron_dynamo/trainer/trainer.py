@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -237,9 +238,11 @@ class Trainer:
         from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
         from megatron_dynamo.rollout.weight_sync import sync_weights
         from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, latest_checkpoint, load_checkpoint
-        from megatron_dynamo.trainer.metrics import MetricsLogger, plot_reward_curve
+        from megatron_dynamo.trainer.metrics import (MetricsLogger, MetricsLoggerError, format_duration,
+                                                     plot_reward_curve)
 
         run = self.run
+        started = time.perf_counter()
         start_step = 0
         latest = latest_checkpoint(self.checkpoint_root) if self.resume else None
         if self.resume and latest is None and self.rank == 0:
@@ -255,8 +258,13 @@ class Trainer:
                      dtype=self.rollout_dtype)
         logger = None
         if self.rank == 0:
-            logger = MetricsLogger(str(self.output_dir), run.logging.tensorboard, run.logging.progress,
-                                   run.trainer.steps, resume_from=start_step if latest is not None else None)
+            try:
+                logger = MetricsLogger(str(self.output_dir), run.logging.tensorboard, run.logging.progress,
+                                       run.trainer.steps, resume_from=start_step if latest is not None else None,
+                                       wandb=run.logging.wandb, verbose=run.logging.verbose,
+                                       run_config=json.loads((self.output_dir / "config.json").read_text()))
+            except MetricsLoggerError as exc:
+                raise TrainingError(str(exc)) from None
         history = []
         try:
             if run.evaluation.at_start and start_step == 0 and self.rank == 0:
@@ -290,6 +298,9 @@ class Trainer:
             plot_reward_curve(str(self.output_dir / "metrics.jsonl"))
         if self.rank == 0 and run.checkpoint.export_hf:
             self.export_hf()
+        if self.rank == 0:
+            log.info("done: %d steps in %s -> %s", run.trainer.steps - start_step,
+                     format_duration(time.perf_counter() - started), self.output_dir)
         return history
 
     def _stop_after(self, step: int, signum: int, start_step: int, saved_step: int | None):
@@ -332,7 +343,7 @@ class Trainer:
             with self.runner.engine_awake():
                 summary = evaluate(self.engine, self.tokenizer, self.scorer, config,
                                    self.output_dir / "eval" / step_dir_name(step), model=f"training step {step}",
-                                   max_prompt_tokens=self.engine_max_len - 1, progress=False)
+                                   max_prompt_tokens=self.engine_max_len - 1, progress="bar")
         except (EvalError, OSError) as exc:
             raise TrainingError(f"evaluation after step {step} failed: {exc}") from None
         metrics = {**summary_metrics(summary), "time/eval": time.perf_counter() - start}
