@@ -31,8 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("megatron_dynamo.commands.compare", "GRPO vs DynaMO over seeds: rollouts to reach a reward threshold"),
     "launch": ("megatron_dynamo.commands.launch", "cluster recipes (1.5B/7B/14B, conversion) via nemo-run"),
     "eval": ("megatron_dynamo.commands.eval", "pass@1 / pass@k of a checkpoint on the paper's six benchmarks"),
-    "report": ("megatron_dynamo.commands.report", "one page (PNG + HTML) of a run's curves; several runs overlaid"),
     "data": ("megatron_dynamo.commands.data", "fetch / convert hub math datasets to <out>/<name>.jsonl (data prepare)"),
+    "report": ("megatron_dynamo.commands.report", "one page (PNG + HTML) of a run's curves; several runs overlaid"),
 }
 
 
