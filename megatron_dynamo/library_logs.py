@@ -14,9 +14,11 @@ purpose (eager mode, whole prefills), or vLLM reports its own internals (Triton 
 drops exactly that record from exactly the logger that emits it, so any other warning of the same library still
 shows. :data:`WARNINGS` does the same for Python warnings. One record depends on the model and is filtered where it
 arises: "RotaryEmbedding: Failed to load weights" during a weight update, only for layers that hold no checkpoint
-tensor (``VLLMWorkerExtension``). One thing is coarser: C++ warnings of torch extensions cannot be filtered one by
-one, so vLLM's processes start with c10's log level at ERROR (``TORCH_CPP_LOG_LEVEL``, unless set) to keep out
-vLLM's NUMA-binding notice on CPU (:func:`vllm_process_environment`); C++ errors still show.
+tensor (``VLLMEngine``). One thing is coarser: C++ warnings of torch extensions cannot be filtered one by
+one, and vLLM's NUMA-binding notice on CPU ("[W ... utils.cpp] Warning: NUMA binding: Using MEMBIND policy ...")
+is kept out by c10's log level where it can be: :func:`apply` sets ``TORCH_CPP_LOG_LEVEL=ERROR`` (unless set) for
+the ranks it starts; in a process whose torch is loaded already, the engine start runs inside
+:func:`native_stderr_without`, which drops that one line from the process's stderr and passes the rest on.
 
 Processes. ``dynamo train`` / ``dynamo eval`` call :func:`apply` in the launching process, which records the choice
 in ``$MEGATRON_DYNAMO_LIBRARY_LOGS`` for the processes it starts. Those (training ranks, vLLM's engine core and
@@ -53,6 +55,11 @@ NOISE: tuple[tuple[str, str, str], ...] = (
      "a setting for Mamba models; these models have no SSM layers"),
     ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD.",
      "a throughput hint (tcmalloc / Intel OpenMP preloading) for large CPU deployments"),
+    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",
+     "vLLM's CPU worker turns torch.set_num_threads into this warning for the process it runs in; VLLMEngine puts "
+     "the original back once the engine is up"),
+    ("vllm.engine.arg_utils", "The global random seed is set to %d.",
+     "the engine runs in the training process and seeds its RNGs; VLLMEngine saves and restores them around it"),
 )
 
 # Python warnings: (message regex, category, module regex, why)
@@ -92,6 +99,9 @@ def apply(verbose: bool) -> None:
     """The console policy of this process and of every process it starts from now on (see the module doc)."""
     os.environ[ENV] = "verbose" if verbose else "quiet"
     if not verbose:
+        # c10 reads it when torch loads: it reaches the ranks this process starts (and this one, if torch is not
+        # loaded yet), keeping vLLM's C++ NUMA-binding notice out; C++ errors still show.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         install()
 
 
@@ -123,17 +133,33 @@ def add_filter(logger_name: str, drop: logging.Filter) -> None:
         logging.getLogger(logger_name).addFilter(drop)
 
 
+NUMA_NOTICE = "Warning: NUMA binding: Using MEMBIND policy"
+
+
 @contextlib.contextmanager
-def vllm_process_environment():
-    """While vLLM starts its processes (they inherit the environment): c10's C++ log level ERROR in them when
-    quiet and ``TORCH_CPP_LOG_LEVEL`` is not set, so vLLM's CPU worker does not print its NUMA-binding notice
-    ("[W ... utils.cpp] Warning: NUMA binding: Using MEMBIND policy ..."), which torch's Python warning filters
-    cannot reach."""
-    if not quiet() or "TORCH_CPP_LOG_LEVEL" in os.environ:
+def native_stderr_without(*substrings: str):
+    """When quiet: collect what native code writes to file descriptor 2 meanwhile and pass it on afterwards (also
+    after an exception), without the lines that contain one of ``substrings``. Python's own stderr writes go through
+    the same descriptor and are passed on too, in order, once the block ends."""
+    import sys
+    import tempfile
+
+    if not quiet() or not substrings:
         yield
         return
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    try:
-        yield
-    finally:
-        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept = [line for line in sink.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(s in line for s in substrings)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()

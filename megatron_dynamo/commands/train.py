@@ -58,7 +58,7 @@ def launch_training(run, resume: bool, nproc: int | None = None) -> None:
     from megatron_dynamo.parallel.stop_signals import STOP_SIGNALS
 
     start_guard()  # however this process ends, nothing it started (vLLM, reward workers, ranks) outlives it
-    nproc = nproc or run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+    nproc = _world_size(run, nproc)
     if _launched_externally():
         launch = detect_launch()
         train_on_rank(launch.rank, launch.world_size, run, resume)
@@ -66,6 +66,15 @@ def launch_training(run, resume: bool, nproc: int | None = None) -> None:
         train_on_rank(0, 1, run, resume)
     else:
         run_on_ranks(train_on_rank, nproc, run, resume, describe=_describe, forward=STOP_SIGNALS)
+
+
+def _world_size(run, nproc: int | None) -> int:
+    """The job's ranks: the launcher's world size, else ``--nproc``, else tensor x pipeline parallel."""
+    if _launched_externally():
+        from megatron_dynamo.parallel.runtime import detect_launch
+
+        return detect_launch().world_size
+    return nproc or run.parallel.tensor_parallel * run.parallel.pipeline_parallel
 
 
 def train_on_rank(rank, world_size, run, resume):
@@ -101,7 +110,7 @@ def run(args) -> int:
         cfg = load_run_config(args.config, args.overrides, algo=args.algo)
         # Missing files: one line now, not a traceback after the ranks start. Hub ids are resolved here, once:
         # the ranks get the local snapshot directories.
-        cfg = check_run_inputs(cfg)
+        cfg = check_run_inputs(cfg, world_size=_world_size(cfg, args.nproc))
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 2

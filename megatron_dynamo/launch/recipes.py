@@ -141,7 +141,8 @@ class Layout:
         sp = " (SP)" if self.sequence_parallel else ""
         return (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.nodes * self.gpus_per_node} ranks: "
                 f"TP={self.tensor_parallel}{sp} PP={self.pipeline_parallel} CP={self.context_parallel} "
-                f"DP={self.data_parallel}; vLLM TP={self.rollout_tensor_parallel} on rank 0's node")
+                f"DP={self.data_parallel}; {self.nodes * self.gpus_per_node // self.rollout_tensor_parallel} vLLM "
+                f"engine(s) of TP={self.rollout_tensor_parallel}, one worker on every GPU")
 
 
 def check_layout(run: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
@@ -155,9 +156,9 @@ def check_layout(run: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
         p.validate(world)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if run.rollout.tensor_parallel > gpus_per_node:
-        raise ConfigError(f"rollout.tensor_parallel={run.rollout.tensor_parallel} is more than the "
-                          f"{gpus_per_node} GPUs of rank 0's node (the engine runs there)")
+    if gpus_per_node % run.rollout.tensor_parallel:
+        raise ConfigError(f"rollout.tensor_parallel={run.rollout.tensor_parallel} does not divide the {gpus_per_node} "
+                          "GPUs of a node (every GPU hosts a vLLM worker; an engine's ranks share a node)")
     return Layout(nodes, gpus_per_node, p.tensor_parallel, p.pipeline_parallel, p.context_parallel,
                   world // (p.tensor_parallel * p.pipeline_parallel * p.context_parallel), p.sequence_parallel,
                   run.rollout.tensor_parallel)

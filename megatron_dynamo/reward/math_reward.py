@@ -486,6 +486,14 @@ def _usable_cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def reward_workers_per_scorer(tensor_parallel: int = 1, cap: int = 4) -> int:
+    """Reward worker processes for one engine leader: the cores this process may use shared among the engines of
+    its node (``LOCAL_WORLD_SIZE / tensor_parallel`` leaders score at the same time), at most ``cap``, at least 1."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    leaders = max(1, local_ranks // max(1, tensor_parallel))
+    return max(1, min(cap, _usable_cpu_count() // leaders))
+
+
 @dataclass
 class RewardStats:
     """Counts and timing of one :meth:`MathRewardScorer.score` call."""

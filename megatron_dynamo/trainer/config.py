@@ -79,16 +79,25 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Generation (paper: vLLM, TP=2, temperature 1.0, top-p 1.0, max response 8192, GPU memory 0.8)."""
+    """Generation (paper: vLLM, TP=2, temperature 1.0, top-p 1.0, max response 8192).
+
+    Every rank hosts a vLLM worker; ``tensor_parallel`` consecutive ranks form one engine (it must divide the world
+    size), so a job runs world / tensor_parallel engines. ``gpu_memory_utilization``: the fraction of each GPU vLLM
+    may take while it generates (weights + KV cache; Megatron's state lives in the rest, or on the host with
+    ``offload_training_state``). ``sleep_during_training``: free vLLM's GPU memory between rollouts (vLLM sleep mode
+    ``sleep_level`` 2: weights discarded, since every step reloads them; 1: offloaded to host).
+    ``offload_training_state``: move Megatron's parameters, gradients and optimizer state to host memory while vLLM
+    generates (GPU; for the large recipes)."""
 
     engine: str = "vllm"
     tensor_parallel: int = 2
-    gpu_memory_utilization: float = 0.8
+    gpu_memory_utilization: float = 0.5
     temperature: float = 1.0
     top_p: float = 1.0
     max_response_tokens: int = 8192
     sleep_during_training: bool = True
-    weight_sync_bucket_mb: int = 256
+    sleep_level: int = 2
+    offload_training_state: bool = False
 
     def validate(self) -> None:
         if not self.temperature > 0:
@@ -99,8 +108,10 @@ class RolloutConfig:
             raise ValueError(f"max_response_tokens must be >= 1, got {self.max_response_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel < 1 or self.weight_sync_bucket_mb < 1:
-            raise ValueError("tensor_parallel and weight_sync_bucket_mb must be >= 1")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
 
 
 @dataclass(frozen=True)
@@ -229,12 +240,14 @@ class LoggingConfig:
     (``tensorboard``), W&B (``wandb``) and, with ``progress``, the console: one summary line per step with the ETA
     (and a progress bar on a terminal); ``plot`` writes ``reward_curve.png`` next to the metrics at the end.
     ``verbose``: the libraries' own logs and warnings too (Megatron, vLLM); off, the console shows the run's lines
-    only (see ``megatron_dynamo/library_logs.py`` for what is left out and why)."""
+    only (see ``megatron_dynamo/library_logs.py`` for what is left out and why). ``rollouts``: also write every
+    response of every step to ``<output_dir>/rollouts.jsonl`` (prompt id, sample index, token ids, text, reward)."""
 
     tensorboard: bool = True
     progress: bool = True
     plot: bool = True
     verbose: bool = False
+    rollouts: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

@@ -82,9 +82,10 @@ def _check_dataset(key: str, name: str, data_dir: str | None) -> None:
         raise ConfigError(f"{key}: {exc}") from None
 
 
-def check_run_inputs(run: RunConfig, local_only: bool | None = None) -> RunConfig:
-    """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used; return
-    ``run`` with hub ids resolved to local directories (:func:`resolve_run_models`), which is what the ranks get."""
+def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size: int | None = None) -> RunConfig:
+    """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used (with
+    ``world_size``, also a layout that does not divide it); return ``run`` with hub ids resolved to local
+    directories (:func:`resolve_run_models`), which is what the ranks get."""
     run = resolve_run_models(run, local_only)
     if run.model.config is not None:
         _check_model_config(run.model.config)
@@ -107,6 +108,9 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None) -> RunConfi
     if torch.cuda.is_available() and run.rollout.tensor_parallel > torch.cuda.device_count():
         raise ConfigError(f"rollout.tensor_parallel ({run.rollout.tensor_parallel}) exceeds the "
                           f"{torch.cuda.device_count()} GPU(s) of this node")
+    if world_size is not None and world_size % run.rollout.tensor_parallel:
+        raise ConfigError(f"rollout.tensor_parallel={run.rollout.tensor_parallel} does not divide the {world_size} "
+                          "ranks (every rank hosts a vLLM worker; engines are groups of rollout.tensor_parallel ranks)")
     evaluation = run.evaluation
     if evaluation.every or evaluation.at_start:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir

@@ -1,11 +1,13 @@
 """One DynaMO step, stage by stage, each timed (``../shared/notes/DYNAMO.md``):
 
-    data -> allocation (rank 0, broadcast) -> rollout -> reward -> history -> advantages -> old log-probs
-    -> PPO mini-batch updates with modulation -> weight sync
+    data -> allocation (rank 0, broadcast) -> rollout (every engine its share) -> reward (each engine leader)
+    -> exchange -> history -> advantages -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
 
-Every rank runs this function (SPMD). Rank 0 drives the rollout engine and the reward workers and broadcasts their
-results; everything after is computed identically on every rank from the same data, except the model work, which
-each rank does on its data-parallel share and its pipeline/tensor shard.
+Every rank runs this function (SPMD). Every rank hosts a vLLM worker; consecutive ranks form engines of
+``rollout.tensor_parallel`` (``rollout.sharding``). The step's prompts are split over the engines by a rule every rank
+computes alike; each engine generates its share and its leader scores it; the scored responses reach every rank as
+packed tensors (``rollout.exchange``). Everything after is computed identically on every rank from the same data,
+except the model work, which each rank does on its data-parallel share and its pipeline/tensor shard.
 """
 
 from __future__ import annotations
@@ -30,12 +32,7 @@ from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, to
 
 
 class RolloutError(RuntimeError):
-    """Generation or scoring failed on the rank that drives the engine; raised on every rank."""
-
-
-@dataclass(frozen=True)
-class RolloutFailure:
-    reason: str
+    """Generation, scoring or a weight load failed on some rank; raised on every rank."""
 
 
 @dataclass
@@ -53,12 +50,6 @@ def _parallel():
     from megatron.core import parallel_state as ps
 
     return ps
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
-    return holder[0]
 
 
 def _collect_metric_sums(local: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -87,8 +78,8 @@ class StepRunner:
                  sampling, pad_token_id: int, rollout_dtype: torch.dtype):
         self.run = run
         self.actor = actor
-        self.engine = engine  # rank 0 only (None elsewhere)
-        self.scorer = scorer  # rank 0 only
+        self.engine = engine  # this rank's part of its engine (every rank)
+        self.scorer = scorer  # engine leaders only (None elsewhere)
         self.sampler = sampler
         self.history = history
         self.tokenizer = tokenizer
@@ -97,6 +88,11 @@ class StepRunner:
         self.pad_token_id = pad_token_id
         self.rollout_dtype = rollout_dtype
         self._prompt_log_started = False  # the first step logged to prompts.jsonl drops that file's later rows
+        self._rollout_log_started = False  # the same for rollouts.jsonl
+        # The split of a step's prompts over engines weighs responses by the last step's mean length (the same
+        # number on every rank: it comes from the exchanged rollout). It only balances load: results do not
+        # depend on it.
+        self.expected_response_tokens = run.rollout.max_response_tokens / 2
 
     # ------------------------------------------------------------------ stages
     def _prompts(self, examples) -> list[tuple[int, ...]]:
@@ -111,7 +107,7 @@ class StepRunner:
 
     @contextmanager
     def engine_awake(self):
-        """Rank 0: the engine awake for a generation phase (rollout, evaluation), asleep again after it when
+        """The engine awake for a generation phase (rollout, evaluation), asleep again after it when
         ``rollout.sleep_during_training`` and the engine has a sleep mode (vLLM's CPU backend has none: nothing to
         free, so nothing is called). No sleep after a failure: the run ends, and a dead engine cannot sleep."""
         sleeping = self.run.rollout.sleep_during_training and getattr(self.engine, "sleep_mode", True)
@@ -122,26 +118,54 @@ class StepRunner:
             self.engine.sleep()
 
     def _rollout_and_reward(self, step, examples, counts, timer):
-        """Rank 0: generate and score; returns (responses as plain tuples, rewards, reward stats, rollout stats)."""
+        """Every rank: generate this engine's share of the prompts, score it on the engine leader, exchange.
+        Returns (responses as (prompt id, prompt tokens, response tokens), rewards, metrics)."""
+        from megatron_dynamo.rollout.exchange import ScoredResponses, gather_rollout
         from megatron_dynamo.rollout.interface import GenerationRequest
+        from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
 
+        layout = self.engine.layout
         with timer("data"):
-            prompt_tokens = self._prompts(examples)  # only the engine needs them; responses carry them on
-        requests = [GenerationRequest(prompt_id=ex.id, prompt_token_ids=toks, count=int(n))
-                    for ex, toks, n in zip(examples, prompt_tokens, counts)]
-        with timer("rollout"), self.engine_awake():
-            responses = self.engine.generate(requests, self.sampling, step=step)
-        references = {ex.id: ex.references() for ex in examples}
-        with timer("reward"):
-            scored = self.scorer.score([r.text or "" for r in responses], [references[r.prompt_id] for r in responses],
-                                       finish_reasons=[r.finish_reason for r in responses])
-        plain = [(r.prompt_id, r.prompt_token_ids, r.token_ids) for r in responses]
-        reward_metrics = scored.stats.as_metrics()  # reward/<reason>, reward/accuracy, ... (docs/metrics.md)
-        lengths = [len(r.token_ids) for r in responses]
+            prompt_tokens = self._prompts(examples)
+        loads = request_loads([len(t) for t in prompt_tokens], counts, self.expected_response_tokens)
+        assignment = assign_to_engines(loads, layout.num_engines)
+        mine = [i for i, engine in enumerate(assignment) if engine == layout.engine_index]
+        index_of = {examples[i].id: i for i in mine}
+        requests = [GenerationRequest(prompt_id=examples[i].id, prompt_token_ids=prompt_tokens[i], count=int(counts[i]))
+                    for i in mine]
+        local, stats, failure = None, None, None
+        try:
+            with timer("rollout"), self.engine_awake():
+                responses = self.engine.generate(requests, self.sampling, step=step)
+            if layout.is_leader:
+                with timer("reward"):
+                    references = {examples[i].id: examples[i].references() for i in mine}
+                    scored = self.scorer.score([r.text or "" for r in responses],
+                                               [references[r.prompt_id] for r in responses],
+                                               finish_reasons=[r.finish_reason for r in responses])
+                local = ScoredResponses([index_of[r.prompt_id] for r in responses],
+                                        [r.sample_index for r in responses], [r.token_ids for r in responses],
+                                        [r.truncated for r in responses], [float(x) for x in scored.rewards])
+                stats = scored.stats
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+            failure = f"{type(exc).__name__}: {exc}"
+        _raise_on_any_rank(failure, f"step {step}: the rollout failed")
+        with timer("exchange"):
+            rollout = gather_rollout(local)
+            reward_metrics = _sum_reward_stats(stats)
+        responses = [(examples[p].id, prompt_tokens[p], toks) for p, toks in zip(rollout.prompt_index,
+                                                                                 rollout.token_ids)]
+        lengths = [len(t) for t in rollout.token_ids]
+        per_engine = engine_loads(lengths, [assignment[p] for p in rollout.prompt_index], layout.num_engines)
+        if lengths:
+            self.expected_response_tokens = float(np.mean(lengths))
         reward_metrics["response_length_mean"] = float(np.mean(lengths)) if lengths else 0.0
         reward_metrics["rollout/response_length_max"] = float(max(lengths)) if lengths else 0.0
-        reward_metrics["rollout/truncated_frac"] = float(np.mean([r.truncated for r in responses])) if lengths else 0.0
-        return plain, [float(x) for x in scored.rewards], reward_metrics
+        reward_metrics["rollout/truncated_frac"] = float(np.mean(rollout.truncated)) if lengths else 0.0
+        reward_metrics["rollout/engines"] = layout.num_engines
+        mean_tokens = float(np.mean(per_engine))
+        reward_metrics["rollout/engine_tokens_max_over_mean"] = max(per_engine) / mean_tokens if mean_tokens else 1.0
+        return responses, rollout.rewards, reward_metrics
 
     def run_step(self, step: int) -> dict[str, Any]:
         from megatron_dynamo.rollout.allocation import allocate_counts
@@ -156,17 +180,7 @@ class StepRunner:
         with timer("allocation"):
             allocation = allocate_counts(self.history, prompt_ids, run.dynamo.allocation)
             counts, variance_ratio = allocation.counts, allocation.predicted_variance_ratio
-        rollout = None
-        if rank == 0:
-            try:
-                rollout = self._rollout_and_reward(step, examples, counts, timer)
-            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
-                rollout = RolloutFailure(f"{type(exc).__name__}: {exc}")
-        rollout = broadcast_object(rollout)
-        if isinstance(rollout, RolloutFailure):
-            raise RolloutError(f"step {step}: the rollout engine failed ({rollout.reason}). The checkpoints written "
-                               "so far are intact: fix the cause and rerun with --resume.")
-        responses, rewards, reward_metrics = rollout
+        responses, rewards, reward_metrics = self._rollout_and_reward(step, examples, counts, timer)
         with timer("advantages"):
             response_ids = [pid for pid, _, _ in responses]
             self.history.update(response_ids, np.asarray(rewards) > 0.5)
@@ -177,6 +191,8 @@ class StepRunner:
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
         if rank == 0:
             self._log_prompts(step, prompt_ids, counts, response_ids, rewards)
+            if run.logging.rollouts:
+                self._log_rollouts(step, responses, rewards)
         update_metrics = self._update(samples, prompt_ids, timer)
         with timer("weight_sync"):
             sync_stats = self._sync_weights(step)
@@ -212,6 +228,21 @@ class StepRunner:
         append_step_rows(os.path.join(self.run.trainer.output_dir, "prompts.jsonl"), rows,
                          drop_from_step=None if self._prompt_log_started else step)
         self._prompt_log_started = True
+
+    def _log_rollouts(self, step, responses, rewards) -> None:
+        """Rank 0, with ``logging.rollouts``: every response of the step in ``<output_dir>/rollouts.jsonl``, in
+        canonical order (prompt order, then sample index): ``{"step", "prompt_id", "sample_index", "response_ids",
+        "response", "reward"}``. Resumed runs drop the file's rows of the resumed step and later."""
+        from megatron_dynamo.trainer.metrics import append_step_rows
+
+        rows, sample = [], {}
+        for (pid, _, ids), reward in zip(responses, rewards):
+            sample[pid] = sample.get(pid, -1) + 1
+            rows.append({"step": step, "prompt_id": pid, "sample_index": sample[pid], "response_ids": list(ids),
+                         "response": self.tokenizer.decode(list(ids)), "reward": float(reward)})
+        append_step_rows(os.path.join(self.run.trainer.output_dir, "rollouts.jsonl"), rows,
+                         drop_from_step=None if self._rollout_log_started else step)
+        self._rollout_log_started = True
 
     # ------------------------------------------------------------------ model work
     def micro_batches_for(self, samples: list[Sample]):
@@ -314,21 +345,59 @@ class StepRunner:
         return metrics
 
     def _sync_weights(self, step: int) -> dict[str, float]:
-        """Collective: the new weights into the engine. A failure on the engine's rank (which keeps relaying, so
-        no rank hangs) becomes a :class:`RolloutError` on every rank."""
+        """Collective: the new weights into every rank's engine. A failure on any rank (which keeps relaying its
+        part of the gather, so no rank hangs) becomes a :class:`RolloutError` on every rank."""
         from megatron_dynamo.rollout.weight_sync import sync_weights
 
         stats, failure = None, None
         try:
-            stats = sync_weights(self.engine, self.actor, bucket_bytes=self.run.rollout.weight_sync_bucket_mb << 20,
-                                 dtype=self.rollout_dtype)
+            stats = sync_weights(self.engine, self.actor, dtype=self.rollout_dtype)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             failure = f"{type(exc).__name__}: {exc}"
-        failure = broadcast_object(failure)
-        if failure is not None:
-            raise RolloutError(f"step {step}: loading the new weights into the rollout engine failed ({failure}). "
-                               "The checkpoints written so far are intact: fix the cause and rerun with --resume.")
-        return stats.as_metrics() if dist.get_rank() == 0 else {}
+        _raise_on_any_rank(failure, f"step {step}: loading the new weights into the rollout engines failed")
+        return stats.as_metrics()
+
+
+def _raise_on_any_rank(failure: str | None, what: str) -> None:
+    """Collective: raise :class:`RolloutError` on every rank if any rank has a ``failure`` (its text, else None),
+    naming the first failed rank's reason."""
+    from megatron_dynamo.parallel.runtime import collective_device
+
+    if dist.get_world_size() == 1:
+        failed = [failure] if failure is not None else []
+    else:
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=collective_device())
+        dist.all_reduce(flag)
+        if flag.item() == 0:
+            return
+        reasons = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, failure)  # a few lines of text, only on failure
+        failed = [f"rank {r}: {text}" for r, text in enumerate(reasons) if text is not None]
+    if failed:
+        raise RolloutError(f"{what} ({failed[0]}). The checkpoints written so far are intact: fix the cause and "
+                           "rerun with --resume.")
+
+
+def _sum_reward_stats(stats) -> dict[str, float]:
+    """Collective: the reward counts of every engine leader's scoring summed (seconds: the slowest leader), as
+    ``reward/*`` metrics (docs/metrics.md). ``stats``: this rank's RewardStats, None on ranks that did not score."""
+    from megatron_dynamo.parallel.runtime import collective_device
+    from megatron_dynamo.reward.math_reward import REWARD_REASONS, RewardStats
+
+    summed = ["num_responses", "num_verified", "cache_hits", "workers_replaced"]
+    local = stats or RewardStats()
+    values = torch.tensor([float(local.counts[r]) for r in REWARD_REASONS] + [float(getattr(local, k)) for k in summed],
+                          dtype=torch.float64, device=collective_device())
+    slowest = torch.tensor([local.seconds], dtype=torch.float64, device=collective_device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(values)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    values = values.tolist()
+    total = RewardStats(counts={r: int(v) for r, v in zip(REWARD_REASONS, values)},
+                        seconds=float(slowest.item()))
+    for key, value in zip(summed, values[len(REWARD_REASONS):]):
+        setattr(total, key, int(value))
+    return total.as_metrics()
 
 
 def _global_denominator(mini_batch: list[Sample], mode: str) -> float:

@@ -166,32 +166,37 @@ class Trainer:
         self.sampling = SamplingConfig(temperature=run.rollout.temperature, top_p=run.rollout.top_p,
                                        max_tokens=run.rollout.max_response_tokens, seed=run.trainer.seed,
                                        stop_token_ids=stop_ids)
-        self.engine = self._build_engine() if self.rank == 0 else None
+        self.engine = self._build_engine()
         self.scorer = None
-        if self.rank == 0:
-            from megatron_dynamo.reward.math_reward import MathRewardScorer
+        if self.engine.layout.is_leader:
+            from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
 
-            self.scorer = MathRewardScorer()
+            self.scorer = MathRewardScorer(num_workers=reward_workers_per_scorer(self.engine.layout.tensor_parallel))
         self.runner = StepRunner(run, self.actor, self.engine, self.scorer, self.sampler, self.history,
                                  self.tokenizer, run.data.template, self.sampling, self.pad_token_id,
                                  self.rollout_dtype)
 
     def _build_engine(self):
-        """The rollout engine on rank 0, started from the run's tokenizer and model config; its weights are pushed
-        from Megatron before the first rollout (no model file is written)."""
+        """This rank's part of its rollout engine (every rank hosts a vLLM worker; ``rollout.tensor_parallel``
+        consecutive ranks form an engine), started from the run's tokenizer and model config with random weights:
+        Megatron's are loaded before the first rollout (no model file is written). Rank 0 writes the directory."""
         from megatron_dynamo.rollout.vllm_engine import VLLMEngine
 
         model_dir = self.output_dir / "rollout_model"
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
-        self.tokenizer.save_pretrained(str(model_dir))
+        if self.rank == 0:
+            model_dir.mkdir(parents=True, exist_ok=True)
+            (model_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+            self.tokenizer.save_pretrained(str(model_dir))
+        dist.barrier()
         run = self.run
-        return VLLMEngine(str(model_dir), tensor_parallel_size=run.rollout.tensor_parallel if torch.cuda.is_available() else 1,
+        gpu = torch.cuda.is_available()
+        return VLLMEngine(str(model_dir), tensor_parallel_size=run.rollout.tensor_parallel,
                           dtype="bfloat16" if self.rollout_dtype == torch.bfloat16 else "float32",
                           max_model_len=self.engine_max_len, seed=run.trainer.seed,
                           gpu_memory_utilization=run.rollout.gpu_memory_utilization,
-                          enable_sleep_mode=run.rollout.sleep_during_training and torch.cuda.is_available(),
-                          # Random weights at start: the trainer pushes its own before the first rollout.
+                          enable_sleep_mode=run.rollout.sleep_during_training and gpu,
+                          sleep_level=run.rollout.sleep_level,
+                          # Random weights at start: the trainer loads its own before the first rollout.
                           engine_kwargs={"load_format": "dummy"})
 
     # ------------------------------------------------------------------ phases
@@ -254,8 +259,7 @@ class Trainer:
         else:
             self.sft_warmup()
         saved_step = start_step if latest is not None else None
-        sync_weights(self.engine, self.actor, bucket_bytes=run.rollout.weight_sync_bucket_mb << 20,
-                     dtype=self.rollout_dtype)
+        sync_weights(self.engine, self.actor, dtype=self.rollout_dtype)
         logger = None
         if self.rank == 0:
             try:
@@ -267,8 +271,10 @@ class Trainer:
                 raise TrainingError(str(exc)) from None
         history = []
         try:
-            if run.evaluation.at_start and start_step == 0 and self.rank == 0:
-                logger.log(0, self.evaluate(0))
+            if run.evaluation.at_start and start_step == 0:
+                eval_metrics = self.evaluate(0)  # every rank: the problems are split over all engines
+                if logger is not None:
+                    logger.log(0, eval_metrics)
             for step in range(start_step + 1, run.trainer.steps + 1):
                 signum = agreed_stop_signal()  # every rank, so all stop after the same step
                 if signum:
@@ -277,7 +283,7 @@ class Trainer:
                 set_learning_rate(self.actor, run.optim.lr * min(1.0, step / warmup) if warmup else run.optim.lr)
                 metrics = self.runner.run_step(step)
                 every = run.evaluation.every
-                if self.rank == 0 and every and (step % every == 0 or step == run.trainer.steps):
+                if every and (step % every == 0 or step == run.trainer.steps):
                     metrics.update(self.evaluate(step))
                 history.append(metrics)
                 if logger is not None:
@@ -329,8 +335,8 @@ class Trainer:
                               f"({self.checkpoint_root / step_dir_name(step)}); {resume}", signum, step)
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Rank 0: the periodic benchmark evaluation with the rollout engine, which holds the weights of ``step``
-        (written to ``<output_dir>/eval/step_<N>``; a resumed run finishes an interrupted one there)."""
+        """Every rank: the periodic benchmark evaluation on all rollout engines, which hold the weights of ``step``
+        (rank 0 writes ``<output_dir>/eval/step_<N>``; a resumed run finishes an interrupted one there)."""
         import time
 
         from megatron_dynamo.eval.runner import EvalError, evaluate, summary_metrics
@@ -347,6 +353,8 @@ class Trainer:
         except (EvalError, OSError) as exc:
             raise TrainingError(f"evaluation after step {step} failed: {exc}") from None
         metrics = {**summary_metrics(summary), "time/eval": time.perf_counter() - start}
+        if self.rank != 0:
+            return {}
         log.info("eval after step %d: %s", step, ", ".join(f"{k.removeprefix('eval/avg/')} {v:.3f}"
                                                              for k, v in metrics.items() if k.startswith("eval/avg/")))
         return metrics
@@ -390,9 +398,10 @@ class Trainer:
                                hf_files_from=[self.output_dir / "tokenizer"])
 
     def close(self) -> None:
-        if self.scorer is not None:
+        """Stop the reward workers, then the engine: last, since vLLM's shutdown ends the default process group."""
+        if getattr(self, "scorer", None) is not None:
             self.scorer.close()
-        if self.engine is not None:
+        if getattr(self, "engine", None) is not None:
             self.engine.close()
 
 

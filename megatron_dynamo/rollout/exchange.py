@@ -1,0 +1,102 @@
+"""Every engine's scored responses to every rank, as packed tensors (no pickled Python objects of the rollout).
+
+After generation each engine leader holds the responses of the prompts assigned to its engine, and their rewards.
+:func:`gather_rollout` packs them into three tensors per leader (integers per response: prompt index, sample index,
+length, truncated; the token ids back to back; the rewards) and all-gathers them over the default group (other
+ranks contribute empty tensors). Every rank then holds the whole step's rollout in one canonical order, prompt order
+then sample index: the order a single engine produces. Prompt ids and prompt tokens never travel: every rank has
+the step's prompts (same sampler, same tokenizer) and refers to them by index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+_META_FIELDS = 4  # prompt index, sample index, response length, truncated
+
+
+@dataclass
+class ScoredResponses:
+    """Responses of one step (or one engine's share of it), by prompt index into the step's prompt list."""
+
+    prompt_index: list[int] = field(default_factory=list)
+    sample_index: list[int] = field(default_factory=list)
+    token_ids: list[tuple[int, ...]] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompt_index)
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(meta int64 [n, 4], tokens int64 [sum of lengths], rewards float64 [n])``."""
+        n = len(self)
+        for name in ("sample_index", "token_ids", "truncated", "rewards"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"ScoredResponses: {len(getattr(self, name))} {name} for {n} responses")
+        meta = torch.tensor([[p, s, len(t), int(bool(c))] for p, s, t, c in
+                             zip(self.prompt_index, self.sample_index, self.token_ids, self.truncated)],
+                            dtype=torch.int64).reshape(n, _META_FIELDS)
+        tokens = torch.tensor([t for ids in self.token_ids for t in ids], dtype=torch.int64)
+        return meta, tokens, torch.tensor(self.rewards, dtype=torch.float64)
+
+    @classmethod
+    def unpack(cls, meta: torch.Tensor, tokens: torch.Tensor, rewards: torch.Tensor) -> "ScoredResponses":
+        meta_rows = meta.tolist()
+        flat = tokens.tolist()
+        out, offset = cls(), 0
+        for (p, s, length, trunc), reward in zip(meta_rows, rewards.tolist()):
+            out.prompt_index.append(p)
+            out.sample_index.append(s)
+            out.token_ids.append(tuple(flat[offset:offset + length]))
+            out.truncated.append(bool(trunc))
+            out.rewards.append(float(reward))
+            offset += length
+        if offset != len(flat):
+            raise RuntimeError(f"packed rollout: {len(flat)} tokens for lengths summing to {offset}")
+        return out
+
+    def sorted(self) -> "ScoredResponses":
+        """In canonical order: prompt index, then sample index."""
+        order = sorted(range(len(self)), key=lambda i: (self.prompt_index[i], self.sample_index[i]))
+        return ScoredResponses(*([getattr(self, name)[i] for i in order] for name in
+                                 ("prompt_index", "sample_index", "token_ids", "truncated", "rewards")))
+
+
+def _all_gather_padded(tensor: torch.Tensor, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """All-gather tensors whose first dimension differs by rank (``sizes``), padded to the largest."""
+    largest = max(1, *sizes)  # gloo refuses empty tensors
+    padded = torch.zeros((largest, *tensor.shape[1:]), dtype=tensor.dtype, device=device)
+    padded[:tensor.shape[0]] = tensor.to(device)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return [part[:size].cpu() for part, size in zip(parts, sizes)]
+
+
+def gather_rollout(local: ScoredResponses | None) -> ScoredResponses:
+    """Collective over the default group: every rank's ``local`` share (``None`` or empty on ranks that are not
+    engine leaders) to every rank, merged in canonical order. Raises if two shares hold the same response."""
+    from megatron_dynamo.parallel.runtime import collective_device
+
+    local = local or ScoredResponses()
+    meta, tokens, rewards = local.pack()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ScoredResponses.unpack(meta, tokens, rewards).sorted()
+    device = collective_device()
+    counts = torch.tensor([meta.shape[0], tokens.shape[0]], dtype=torch.int64, device=device)
+    all_counts = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_counts, counts)
+    responses = [int(c[0]) for c in all_counts]
+    token_counts = [int(c[1]) for c in all_counts]
+    metas = _all_gather_padded(meta, responses, device)
+    token_parts = _all_gather_padded(tokens, token_counts, device)
+    reward_parts = _all_gather_padded(rewards, responses, device)
+    merged = ScoredResponses.unpack(torch.cat(metas), torch.cat(token_parts), torch.cat(reward_parts)).sorted()
+    keys = list(zip(merged.prompt_index, merged.sample_index))
+    if len(set(keys)) != len(keys):
+        raise RuntimeError("gather_rollout: two engines returned the same (prompt, sample) response")
+    return merged

@@ -1,0 +1,102 @@
+"""Which ranks form which rollout engine, and which engine generates which prompt.
+
+Every training rank hosts a vLLM worker (``rollout.vllm_engine``). Each run of ``tensor_parallel`` consecutive
+ranks is one engine (vLLM's ``external_launcher`` groups them so), so a world of W ranks has W / tensor_parallel
+engines. The first rank of an engine (its *leader*) scores the engine's responses and hands them to the others.
+
+Prompts go to engines by :func:`assign_to_engines`: longest-processing-time first over the requests' expected token
+loads, ties broken by position, so every rank computes the same assignment from the same inputs without talking.
+Seeds are per request (``interface.request_seed``), so a response does not depend on its engine.
+
+Plain Python: nothing here imports torch.distributed or vLLM.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """The engine layout of one rank: ``world_size`` ranks in engines of ``tensor_parallel`` consecutive ranks."""
+
+    rank: int
+    world_size: int
+    tensor_parallel: int
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1 or self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"bad engine layout: rank {self.rank}, world size {self.world_size}, "
+                             f"tensor_parallel {self.tensor_parallel}")
+        if self.world_size % self.tensor_parallel:
+            raise ValueError(f"rollout.tensor_parallel={self.tensor_parallel} does not divide the {self.world_size} "
+                             "ranks: every rank hosts one vLLM worker, in engines of tensor_parallel ranks")
+
+    @classmethod
+    def of_process(cls, tensor_parallel: int) -> "EngineLayout":
+        """This process's layout (one rank when torch.distributed is not initialised)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), tensor_parallel)
+        return cls(0, 1, tensor_parallel)
+
+    @property
+    def num_engines(self) -> int:
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def engine_index(self) -> int:
+        return self.rank // self.tensor_parallel
+
+    @property
+    def is_leader(self) -> bool:
+        """The engine's first rank: it scores the engine's responses and contributes them to the exchange."""
+        return self.rank % self.tensor_parallel == 0
+
+    def leader_rank(self, engine: int) -> int:
+        return engine * self.tensor_parallel
+
+
+def request_loads(prompt_lengths: Sequence[int], counts: Sequence[int], expected_response_tokens: float) -> list[float]:
+    """The expected work of each request in tokens: its prompt (prefilled once, shared by its samples) plus
+    ``count`` responses of the expected length. A request with count 0 costs nothing."""
+    if len(prompt_lengths) != len(counts):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(counts)} counts")
+    return [float(p) + float(n) * float(expected_response_tokens) if n > 0 else 0.0
+            for p, n in zip(prompt_lengths, counts)]
+
+
+def assign_to_engines(loads: Sequence[float], num_engines: int) -> list[int]:
+    """The engine of each request: largest load first onto the least-loaded engine (lowest index on ties).
+
+    Deterministic in (loads, num_engines). Zero-load requests (nothing to generate) are spread round-robin so no
+    engine is handed all of them. The largest engine load is at most 4/3 of the optimum (Graham's LPT bound).
+    """
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    assignment = [0] * len(loads)
+    if num_engines == 1:
+        return assignment
+    heap = [(0.0, engine) for engine in range(num_engines)]
+    order = sorted(range(len(loads)), key=lambda i: (-float(loads[i]), i))
+    idle = 0
+    for i in order:
+        if loads[i] <= 0:
+            assignment[i] = idle % num_engines
+            idle += 1
+            continue
+        total, engine = heapq.heappop(heap)
+        assignment[i] = engine
+        heapq.heappush(heap, (total + float(loads[i]), engine))
+    return assignment
+
+
+def engine_loads(loads: Sequence[float], assignment: Sequence[int], num_engines: int) -> list[float]:
+    """The summed load of each engine under ``assignment``."""
+    totals = [0.0] * num_engines
+    for load, engine in zip(loads, assignment):
+        totals[engine] += float(load)
+    return totals
