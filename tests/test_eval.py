@@ -91,6 +91,120 @@ def test_summary_averages_benchmarks_and_table_has_the_paper_layout(tmp_path):
     assert metrics["eval/aime24/pass@4"] == pytest.approx(0.5) and metrics["eval/avg/pass@1"] == pytest.approx(0.4375)
 
 
+# ------------------------------------------------------------------------- collective runner, fake engines
+class _FakeTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [1 + ord(c) % 500 for c in text]
+
+
+class _FakeEngine:
+    """Responses that depend on (seed, problem id, sample index) only, as vLLM's: the right answer for one seed in
+    three. ``generated``: the problem ids this engine was asked for."""
+
+    def __init__(self, answers, layout=None):
+        self.answers, self.layout, self.generated = answers, layout, []
+
+    def generate(self, requests, sampling, step=0):
+        from megatron_dynamo.rollout.interface import GenerationResponse, request_seed
+
+        responses = []
+        for request in requests:
+            self.generated.append(request.prompt_id)
+            seed = request_seed(sampling.seed, step, request.prompt_id)
+            for j in range(request.count):
+                right = (seed + j) % 3 == 0
+                text = f"so \\boxed{{{self.answers[request.prompt_id] if right else -1}}}"
+                responses.append(GenerationResponse(request.prompt_id, j, request.prompt_token_ids,
+                                                    tuple(range(5 + (seed + j) % 4)), None,
+                                                    "stop" if j % 2 else "length", text, seed + j))
+        return responses
+
+
+def _fake_config(data_dir):
+    return EvalConfig(benchmarks=("aime24", "amc23"), n=3, k=(3,), max_tokens=16, limit=5, problems_per_batch=3,
+                      data_dir=data_dir)
+
+
+def _answers(config):
+    from megatron_dynamo.eval.runner import load_benchmarks
+
+    return {ex.id: ex.answer for bench in load_benchmarks(config) for ex in bench.problems}
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _collective_worker(rank, world_size, data_dir, out_root):
+    """Every rank evaluates with its engine: two engines of one rank, then one engine of two ranks (a scorer on its
+    leader only), each interrupted after its first batch and resumed; then a settings error on every rank."""
+    from megatron_dynamo.reward.math_reward import MathRewardScorer
+    from megatron_dynamo.rollout.sharding import EngineLayout
+
+    config = _fake_config(data_dir)
+    results = {}
+    with MathRewardScorer(num_workers=0) as scorer:
+        for tp in (1, 2):
+            layout = EngineLayout(rank, world_size, tp)
+            engine = _FakeEngine(_answers(config), layout)
+            out = os.path.join(out_root, f"tp{tp}")
+
+            def stop(problems):
+                raise _Interrupt
+
+            try:
+                evaluate(engine, _FakeTokenizer(), scorer if layout.is_leader else None, config, out, model="fake",
+                         progress=False, on_batch=stop)
+            except _Interrupt:
+                pass
+            summary = evaluate(engine, _FakeTokenizer(), scorer if layout.is_leader else None, config, out,
+                               model="fake", progress=False)
+            results[tp] = (summary, engine.generated)
+        try:
+            evaluate(engine, _FakeTokenizer(), scorer, EvalConfig(**{**config.__dict__, "n": 2, "k": (2,)}),
+                     os.path.join(out_root, "tp1"), model="fake", progress=False)
+        except EvalError as exc:
+            results["error"] = str(exc)
+    return results
+
+
+TIMING = ("seconds", "problems_per_second", "generated_problems")
+
+
+def _untimed(summary):
+    return {k: v for k, v in summary.items() if k not in TIMING}
+
+
+@needs_data
+@pytest.mark.distributed
+def test_collective_evaluation_writes_what_one_engine_writes(tmp_path):
+    """Two ranks: the problems of each batch are split over two engines (each problem generated once), or one
+    two-rank engine generates them all; either way, resumed after an interruption, samples.jsonl and summary.json
+    are those of one engine in one process (timing aside), and every rank returns the summary."""
+    from multiproc import run_on_ranks
+
+    from megatron_dynamo.reward.math_reward import MathRewardScorer
+
+    config = _fake_config(DATA_DIR)
+    with MathRewardScorer(num_workers=0) as scorer:
+        single = evaluate(_FakeEngine(_answers(config)), _FakeTokenizer(), scorer, config, tmp_path / "single",
+                          model="fake", progress=False)
+    expected = (tmp_path / "single" / "samples.jsonl").read_text()
+    assert single["benchmarks"]["aime24"]["pass@3"] > 0
+    per_rank = run_on_ranks(_collective_worker, 2, DATA_DIR, str(tmp_path))
+    for tp in (1, 2):
+        assert (tmp_path / f"tp{tp}" / "samples.jsonl").read_text() == expected, tp
+        written = json.loads((tmp_path / f"tp{tp}" / "summary.json").read_text())
+        assert _untimed(written) == _untimed(single)
+        assert written["generated_problems"] == 10 - 3  # the first batch (3 problems) was written before the stop
+        for rank in (0, 1):
+            assert _untimed(per_rank[rank][tp][0]) == _untimed(single)
+    first, second = per_rank[0][1][1], per_rank[1][1][1]  # two engines: each problem generated once
+    assert first and second and not set(first) & set(second) and len(first) + len(second) == 10
+    assert per_rank[0][2][1] == per_rank[1][2][1] and len(per_rank[0][2][1]) == 10  # one engine over both ranks
+    assert per_rank[0]["error"] == per_rank[1]["error"] and "other settings" in per_rank[1]["error"]
+
+
 # ---------------------------------------------------------------------------------- runner with real vLLM
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
@@ -220,24 +334,42 @@ def test_correct_flags_and_answer_candidates(engine, tokenizer, scorer, tmp_path
     assert answer_only["benchmarks"]["math500"]["pass@8"] == 0.0
 
 
+# The launch variables a VLLMEngine of this process (the fixture's) left in os.environ: a child given them would
+# take itself for a torchrun rank or reuse the port of this process's group.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _child_env():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return env
+
+
+def _dynamo_eval(*args):
+    """`dynamo eval ARGS` in a child process (this one may hold the fixture's vLLM engine and its process group)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "eval", *args], cwd=REPO, env=_child_env(),
+                          capture_output=True, text=True, timeout=900)
+
+
 @needs_data
-def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path, capsys):
+def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path):
     """The CLI end to end: HF -> Megatron with the converter, then `dynamo eval` converts it back, generates with
     vLLM, writes samples/summary and prints the table."""
     import subprocess
     import sys
 
-    from megatron_dynamo.cli import main
-
     megatron = tmp_path / "megatron"
     subprocess.run([sys.executable, "-m", "checkpoints_convert", "hf-to-megatron", "--hf", tiny_model, "--out",
-                    str(megatron), "--quiet"], check=True)
+                    str(megatron), "--quiet"], check=True, env=_child_env())
     out = tmp_path / "eval"
-    code = main(["eval", "--checkpoint", str(megatron), "--benchmarks", "aime24,minerva", "--data-dir", DATA_DIR,
-                 "--n", "2", "--k", "2", "--max-tokens", "6", "--limit", "2", "--output", str(out), "--label", "tiny",
-                 "--reward-workers", "1", "--no-progress"])
-    assert code == 0
-    printed = capsys.readouterr().out
+    proc = _dynamo_eval("--checkpoint", str(megatron), "--benchmarks", "aime24,minerva", "--data-dir", DATA_DIR,
+                        "--n", "2", "--k", "2", "--max-tokens", "6", "--limit", "2", "--output", str(out),
+                        "--label", "tiny", "--reward-workers", "1", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout
     assert "AIME24" in printed and "Minerva" in printed and "Avg." in printed and "tiny" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["model"] == str(megatron.absolute())
@@ -248,9 +380,40 @@ def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path, caps
     assert (out / "hf_model" / "config.json").is_file() and len(_lines(out / "samples.jsonl")) == 8
 
 
-def test_dynamo_eval_rejects_bad_input_before_loading_a_model(tmp_path, capsys):
+@needs_data
+@pytest.mark.distributed
+def test_dynamo_eval_on_two_engines_writes_what_one_engine_writes(tiny_model, tmp_path):
+    """`--nproc 2` (TP 1: two vLLM engines, each batch of problems split over them) against `--nproc 1`: the same
+    samples.jsonl, the same summary.json (timing aside) and the same table."""
+    common = ["--checkpoint", tiny_model, "--benchmarks", "aime24,amc23", "--data-dir", DATA_DIR, "--n", "2",
+              "--k", "2", "--max-tokens", "6", "--limit", "3", "--problems-per-batch", "2", "--label", "tiny",
+              "--reward-workers", "1", "--no-progress"]
+    runs = {}
+    for nproc in (1, 2):
+        proc = _dynamo_eval(*common, "--output", str(tmp_path / f"nproc{nproc}"), "--nproc", str(nproc))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[nproc] = proc.stdout
+    assert "2 engines of 1 rank(s)" in runs[2]
+    table = [[line for line in runs[n].splitlines() if "AIME24" in line or "P@" in line or line.startswith("tiny")]
+             for n in (1, 2)]
+    assert table[0] == table[1] and len(table[0]) == 3
+    one, two = (tmp_path / "nproc1", tmp_path / "nproc2")
+    assert (two / "samples.jsonl").read_text() == (one / "samples.jsonl").read_text()
+    assert len(_lines(one / "samples.jsonl")) == 2 * 3 * 2
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (one, two)]
+    assert _untimed(summaries[0]) == _untimed(summaries[1]) and summaries[1]["generated_problems"] == 6
+
+
+def test_dynamo_eval_rejects_bad_input_before_loading_a_model(tmp_path, capsys, monkeypatch):
     from megatron_dynamo.cli import main
 
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert main(["eval", "--checkpoint", str(tmp_path / "missing"), "--nproc", "3", "--tensor-parallel", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("dynamo eval: --tensor-parallel 2 does not divide --nproc 3: every "
+                                               "rank hosts one vLLM worker, in engines of tensor-parallel ranks")
+    assert main(["eval", "--checkpoint", str(tmp_path), "--nproc", "0"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(tmp_path / "missing")]) == 2
     assert "no such directory" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(tmp_path), "--n", "4", "--k", "8"]) == 2

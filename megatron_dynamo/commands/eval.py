@@ -16,15 +16,24 @@ Output (--output): samples.jsonl (one line per sample: benchmark, problem id, sa
 answer, correct), summary.json (per benchmark and averaged: pass@1 and pass@k, problems, samples, settings), and
 the paper's table on stdout. Run the same command again to resume an interrupted evaluation: finished problems
 are kept, the rest is generated with the same per-problem seeds.
+
+Several engines: `--nproc N` runs N ranks on this machine (one GPU each; gloo processes on CPU), in engines of
+--tensor-parallel consecutive ranks: N / tensor_parallel engines generate side by side, each batch of problems split
+over them. Under torchrun / srun (RANK and WORLD_SIZE, or SLURM_PROCID, set) every process is one rank and --nproc
+is ignored: `torchrun --nproc-per-node 8 -m megatron_dynamo.cli -- eval ...` (the `--` keeps torchrun from taking
+--n for one of its own options). The samples, summary.json and the table are the same as with one engine
+(per-problem seeds), timing aside; rank 0 writes the files and prints the table.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from megatron_dynamo.data.dataset import BENCHMARKS
 
@@ -60,7 +69,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems of each benchmark")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="tokenizer directory or hub id (default: the one in or next to the checkpoint)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, help="vLLM tensor-parallel size (GPUs)")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="vLLM tensor-parallel size: ranks (GPUs) per engine")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks to spawn on this machine (one GPU each; default 1): nproc / tensor-parallel "
+                             "engines share every batch of problems, with the same samples and summary as one "
+                             "engine; ignored under torchrun/srun, where each process is one rank")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                         help="vLLM dtype (default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -93,20 +107,133 @@ def _eval_config(args, template: str):
     return config
 
 
+def _launched_externally() -> bool:
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or "SLURM_PROCID" in os.environ
+
+
+def _external_rank() -> tuple[int, int]:
+    """(rank, world size) under torchrun / srun."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_NTASKS", 1))
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """What every rank needs to evaluate (picklable: it goes to spawned ranks)."""
+
+    hf_dir: str
+    converted: bool  # a Megatron checkpoint converted to hf_dir
+    tokenizer_dir: str
+    config: Any  # EvalConfig
+    output: str
+    model: str
+    max_model_len: int
+    tensor_parallel: int
+    dtype: str | None
+    gpu_memory_utilization: float
+    seed: int
+    reward_workers: int | None
+    reward_timeout: int
+    progress: bool
+    verbose: bool
+
+
+def evaluate_on_rank(rank: int, world_size: int, job: EvalJob):
+    """One rank's part of ``dynamo eval``: its engine (collective with the other ranks), a scorer on the engines'
+    leaders, the collective evaluation, the engine closed last (that ends the process group). Rank 0 returns the
+    summary, the others None. Without a process group (one process) vLLM starts its own."""
+    from contextlib import nullcontext
+
+    from transformers import AutoTokenizer
+
+    from megatron_dynamo import library_logs
+    from megatron_dynamo.eval.runner import evaluate
+    from megatron_dynamo.reward.math_reward import MathRewardScorer
+    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.rollout.vllm_engine import VLLMEngine
+
+    library_logs.apply(job.verbose)
+    layout = EngineLayout.of_process(job.tensor_parallel)
+    workers = job.reward_workers
+    if workers is None and layout.num_engines > 1:  # the machine's cores are shared by the engines' scorers
+        workers = max(1, min(4, len(os.sched_getaffinity(0)) // layout.num_engines))
+    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
+    scorer = (MathRewardScorer(num_workers=workers, timeout_seconds=job.reward_timeout) if layout.is_leader
+              else nullcontext())
+    with scorer, VLLMEngine(job.hf_dir, tokenizer=job.tokenizer_dir, tensor_parallel_size=job.tensor_parallel,
+                            dtype=job.dtype, max_model_len=job.max_model_len, seed=job.seed,
+                            gpu_memory_utilization=job.gpu_memory_utilization) as engine:
+        summary = evaluate(engine, tokenizer, scorer if layout.is_leader else None, job.config, job.output,
+                           model=job.model, max_prompt_tokens=job.max_model_len - 1, progress=job.progress)
+    return summary if rank == 0 else None
+
+
+def _describe(exc: BaseException) -> str:
+    """What a failed rank reports: one line for the errors a user can act on, else the traceback."""
+    import traceback
+
+    from megatron_dynamo.eval.runner import EvalError
+    from megatron_dynamo.rollout.vllm_engine import VLLMNotAvailableError
+
+    if isinstance(exc, (EvalError, ValueError, FileNotFoundError, VLLMNotAvailableError)):
+        return str(exc)
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+def _init_external_group() -> None:
+    """Under torchrun / srun: this process's rank of the job's process group (NCCL with one GPU per rank, gloo on
+    CPU). A long timeout: the other ranks wait while rank 0 converts a Megatron checkpoint."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dynamo.parallel.runtime import detect_launch
+
+    if dist.is_initialized():
+        return
+    launch = detect_launch()
+    os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    else:  # share the cores between the ranks of this machine
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=launch.rank,
+                            world_size=launch.world_size,
+                            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                            timeout=datetime.timedelta(hours=2))
+
+
 def run(args) -> int:
     from megatron_dynamo import library_logs
 
     library_logs.apply(args.verbose)  # the table and the progress, not vLLM's start-up chatter (see library_logs)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from megatron_dynamo.data.dataset import DatasetNotAvailableError
-    from megatron_dynamo.eval.model_source import prepare_model, resolve_checkpoint
-    from megatron_dynamo.eval.runner import EvalError, evaluate, format_table, load_benchmarks
-    from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
+    external = _launched_externally()
+    rank, world = _external_rank() if external else (0, args.nproc if args.nproc is not None else 1)
 
     def fail(message) -> int:
-        print(f"dynamo eval: {message}", file=sys.stderr)
+        if rank == 0:
+            print(f"dynamo eval: {message}", file=sys.stderr)
         return 2
+
+    # The layout first, before any import of consequence.
+    if args.tensor_parallel < 1:
+        return fail(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if world < 1:
+        return fail(f"--nproc must be >= 1, got {world}")
+    if world % args.tensor_parallel:
+        what = f"the {world} ranks of this torchrun/srun job" if external else f"--nproc {world}"
+        return fail(f"--tensor-parallel {args.tensor_parallel} does not divide {what}: every rank hosts one vLLM "
+                    "worker, in engines of tensor-parallel ranks")
+
+    from megatron_dynamo.data.dataset import DatasetNotAvailableError
+    from megatron_dynamo.eval.model_source import resolve_checkpoint
+    from megatron_dynamo.eval.runner import EvalError, format_table, load_benchmarks
+    from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
 
     # Everything that can be checked without a model is checked first: settings, the checkpoint path, the files.
     try:
@@ -125,20 +252,84 @@ def run(args) -> int:
     # A hub id's snapshot directory is named by its commit: outputs and the table use the model's name.
     name = str(args.checkpoint).rstrip("/").split("/")[-1] if is_hub_reference(args.checkpoint) else source.name
     output = Path(args.output or Path("outputs") / "eval" / name)
-    try:
-        model = prepare_model(source, output, tokenizer=args.tokenizer)
-        if args.template is None and model.training_config:
-            config = _eval_config(args, model.training_config.get("data", {}).get("template", config.template))
-    except (EvalError, ValueError, KeyError) as exc:
-        return fail(exc)
-
-    from transformers import AutoTokenizer
 
     from megatron_dynamo.parallel.process_guard import start_guard
-    from megatron_dynamo.reward.math_reward import MathRewardScorer
-    from megatron_dynamo.rollout.vllm_engine import VLLMEngine
 
-    start_guard()  # however this process ends (kill -9 included), vLLM's processes and the reward workers go too
+    start_guard()  # however this process ends (kill -9 included), the ranks and reward workers go too
+    collective = external and world > 1
+    if collective:
+        _init_external_group()
+    try:
+        job_or_code = _prepare(args, config, source, output, rank, fail, collective)
+        if isinstance(job_or_code, int):
+            return job_or_code
+        job = job_or_code
+        if rank == 0:
+            engines = world // args.tensor_parallel
+            origin = f"converted to {job.hf_dir}" if job.converted else "HF"
+            print(f"dynamo eval: {job.model} ({origin}), "
+                  f"{', '.join(job.config.benchmarks)}, n={job.config.n}, template {job.config.template}"
+                  + (f", {engines} engines of {args.tensor_parallel} rank(s)" if engines > 1 else ""), flush=True)
+        if external or world == 1:
+            summary = evaluate_on_rank(rank, world, job)
+        else:
+            from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
+
+            try:
+                summary = run_on_ranks(evaluate_on_rank, world, job, describe=_describe)[0]
+            except RankError as exc:
+                return fail(exc)
+    except EvalError as exc:
+        return fail(exc)
+    finally:
+        if collective:
+            import torch.distributed as dist
+
+            if dist.is_initialized():  # a failure before the engine (which ends the group) was built
+                dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    print(format_table([(args.label or name, summary)]))
+    rate = summary["problems_per_second"]
+    print(f"\n{output / 'samples.jsonl'}\n{output / 'summary.json'}"
+          + (f"\n{summary['generated_problems']} problems generated in {summary['seconds']:.1f} s "
+             f"({rate:.2f} problems/s)" if rate else ""))
+    return 0
+
+
+def _prepare(args, config, source, output: Path, rank: int, fail, collective: bool):
+    """The HF model directory (a Megatron checkpoint converted once, by rank 0 when collective), the template and
+    stop tokens: an :class:`EvalJob`, or the exit status of a failure."""
+    from megatron_dynamo.eval.model_source import prepare_model
+    from megatron_dynamo.eval.runner import EvalError
+
+    def prepared():
+        try:
+            return prepare_model(source, output, tokenizer=args.tokenizer), None
+        except (EvalError, ValueError, KeyError) as exc:
+            return None, str(exc)
+
+    if collective:  # rank 0 converts; the others then find its result (the output directory must be shared)
+        import torch.distributed as dist
+
+        model, error = prepared() if rank == 0 else (None, None)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            return fail(box[0])
+        if rank != 0:
+            model, error = prepared()
+    else:
+        model, error = prepared()
+    if error is not None:
+        return fail(error)
+    if args.template is None and model.training_config:
+        try:
+            config = _eval_config(args, model.training_config.get("data", {}).get("template", config.template))
+        except (ValueError, KeyError) as exc:
+            return fail(exc)
+
+    from transformers import AutoTokenizer
 
     tokenizer_dir = args.tokenizer or str(model.hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -148,20 +339,9 @@ def run(args) -> int:
         return fail(exc)
     hf_config = json.loads((model.hf_dir / "config.json").read_text())
     max_model_len = args.max_model_len or int(hf_config.get("max_position_embeddings", 4096))
-    print(f"dynamo eval: {model.source} ({'converted to ' + str(model.hf_dir) if model.is_megatron else 'HF'}), "
-          f"{', '.join(config.benchmarks)}, n={config.n}, template {config.template}", flush=True)
-    try:
-        with MathRewardScorer(num_workers=args.reward_workers, timeout_seconds=args.reward_timeout) as scorer, \
-                VLLMEngine(str(model.hf_dir), tokenizer=tokenizer_dir, tensor_parallel_size=args.tensor_parallel,
-                           dtype=args.dtype, max_model_len=max_model_len, seed=args.seed,
-                           gpu_memory_utilization=args.gpu_memory_utilization) as engine:
-            summary = evaluate(engine, tokenizer, scorer, config, output, model=str(model.source),
-                               max_prompt_tokens=max_model_len - 1, progress=not args.no_progress)
-    except EvalError as exc:
-        return fail(exc)
-    print(format_table([(args.label or name, summary)]))
-    rate = summary["problems_per_second"]
-    print(f"\n{output / 'samples.jsonl'}\n{output / 'summary.json'}"
-          + (f"\n{summary['generated_problems']} problems generated in {summary['seconds']:.1f} s "
-             f"({rate:.2f} problems/s)" if rate else ""))
-    return 0
+    return EvalJob(hf_dir=str(model.hf_dir), converted=model.is_megatron, tokenizer_dir=tokenizer_dir,
+                   config=config, output=str(output), model=str(model.source), max_model_len=max_model_len,
+                   tensor_parallel=args.tensor_parallel, dtype=args.dtype,
+                   gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                   reward_workers=args.reward_workers, reward_timeout=args.reward_timeout,
+                   progress=not args.no_progress, verbose=args.verbose)

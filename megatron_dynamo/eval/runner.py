@@ -14,6 +14,14 @@ Resuming: run again into the same directory with the same settings. Problems who
 ``samples.jsonl`` are not generated again; lines of unfinished problems (a batch cut by a crash, a torn last
 line) are dropped first. Sample seeds depend only on (seed, problem id) -- never on the batch a problem lands in
 -- so a resumed evaluation writes exactly the samples an uninterrupted one would.
+
+Several engines: when torch.distributed is initialised with more than one rank, ``evaluate`` is collective (every
+rank calls it with its own part of the job's engines, see ``rollout/sharding.py``). Rank 0 owns the files: it
+checks the settings, reads what is finished and tells the others which problems are pending. Each batch of
+``problems_per_batch`` problems (the whole batch, over all engines) is split over the engines by expected tokens
+(:func:`~megatron_dynamo.rollout.sharding.assign_to_engines`), every engine generates its share, its leader scores
+it and rank 0 writes the batch in problem order. Since seeds are per problem, the files are the same as with one
+engine, timing fields aside. Every rank returns the summary.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from megatron_dynamo.data.dataset import BENCHMARKS, MathExample, load_math_json
 from megatron_dynamo.data.templates import DEFAULT_TEMPLATE, get_template, render
 from megatron_dynamo.eval.passk import mean_pass_at_k
 from megatron_dynamo.rollout.interface import GenerationRequest, SamplingConfig
+from megatron_dynamo.rollout.sharding import EngineLayout, assign_to_engines, request_loads
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +265,96 @@ class _Progress:
             self.bar.close()
 
 
+def _process_group():
+    """``torch.distributed`` when it is initialised with more than one rank (evaluation is collective), else None."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover -- torch is a dependency; fakes in tests may run without a group
+        return None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def _engine_layout(engine, dist) -> EngineLayout:
+    """The engine layout of this rank: the engine's own (``VLLMEngine.layout``), else one engine per rank."""
+    layout = getattr(engine, "layout", None)
+    if layout is None:
+        return EngineLayout(dist.get_rank(), dist.get_world_size(), 1)
+    if layout.world_size != dist.get_world_size() or layout.rank != dist.get_rank():
+        raise EvalError(f"the engine's layout (rank {layout.rank} of {layout.world_size}) is not this process's "
+                        f"(rank {dist.get_rank()} of {dist.get_world_size()})")
+    return layout
+
+
+def _error_text(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, (EvalError, ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
+
+
+def _share_of_engine(batch: Sequence[MathExample], prompts: dict, bench: str, config: EvalConfig,
+                     layout: EngineLayout | None) -> list[MathExample]:
+    """The problems of ``batch`` this rank's engine generates: all of them with one engine; else its part of the
+    split by expected tokens (prompt + n responses of half the token limit), the same on every rank."""
+    if layout is None or layout.num_engines == 1:
+        return list(batch)
+    loads = request_loads([len(prompts[(bench, ex.id)]) for ex in batch], [config.n] * len(batch),
+                          config.max_tokens / 2)
+    assignment = assign_to_engines(loads, layout.num_engines)
+    return [ex for ex, engine in zip(batch, assignment) if engine == layout.engine_index]
+
+
+def _generate_records(engine, scorer, problems: Sequence[MathExample], bench: str, prompts: dict,
+                      config: EvalConfig, sampling: SamplingConfig, score: bool) -> list[dict]:
+    """The n samples of each problem (grouped in problem order, by sample index), as ``samples.jsonl`` records;
+    ``score`` False (ranks of an engine other than its leader): generate only, return nothing."""
+    if not problems:
+        return []
+    requests = [GenerationRequest(ex.id, prompts[(bench, ex.id)], config.n) for ex in problems]
+    # step=0 always: a problem's seeds depend on (seed, problem id) only, so a resumed or re-batched evaluation,
+    # one on any number of engines, and every evaluation during training draw the same random numbers per problem.
+    responses = engine.generate(requests, sampling, step=0)
+    if not score:
+        return []
+    references = {ex.id: ex.references(include_candidates=config.answer_candidates) for ex in problems}
+    scored = scorer.score([r.text or "" for r in responses], [references[r.prompt_id] for r in responses],
+                          finish_reasons=[r.finish_reason for r in responses])
+    return [{"benchmark": bench, "problem_id": r.prompt_id, "sample_index": r.sample_index,
+             "response": r.text or "", "extracted_answer": answer, "correct": bool(reward > 0),
+             "why": why, "finish_reason": r.finish_reason, "num_tokens": r.num_tokens}
+            for r, reward, why, answer in zip(responses, scored.rewards, scored.reasons, scored.extracted_answers)]
+
+
+def _in_problem_order(parts: Sequence[Sequence[dict] | None], batch: Sequence[MathExample],
+                      config: EvalConfig) -> list[dict]:
+    """The records the engines sent, in the order one engine writes them: problem order, then sample index."""
+    by_problem: dict[str, list[dict]] = {}
+    for part in parts:
+        for record in part or ():
+            by_problem.setdefault(record["problem_id"], []).append(record)
+    records = []
+    for ex in batch:
+        samples = sorted(by_problem.get(ex.id, ()), key=lambda r: r["sample_index"])
+        if [r["sample_index"] for r in samples] != list(range(config.n)):
+            raise EvalError(f"the engines returned samples {[r['sample_index'] for r in samples]} of problem "
+                            f"{ex.id!r}, expected 0..{config.n - 1}")
+        records.extend(samples)
+    return records
+
+
+def _open_output(output: Path, settings: dict[str, Any], prompts: dict, config: EvalConfig) -> dict:
+    """Check the settings and read the finished problems (dropping the lines of unfinished ones)."""
+    output.mkdir(parents=True, exist_ok=True)
+    _check_settings(output, settings)
+    samples_path = output / SAMPLES_FILE
+    finished, dropped = _read_finished(samples_path, dict.fromkeys(prompts, 0), config.n)
+    if dropped:  # rewrite without the unfinished problems, atomically, before appending
+        log.warning("eval: dropping %d line(s) of unfinished problems from %s", dropped, samples_path)
+        tmp = samples_path.with_suffix(".jsonl.tmp")
+        _write_lines(tmp, [r for records in finished.values() for r in records], "w")
+        os.replace(tmp, samples_path)
+    return finished
+
+
 def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os.PathLike, *,
              model: str | None = None, max_prompt_tokens: int | None = None, progress: bool | str = True,
              on_batch: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -268,58 +367,93 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
     takes; a longer one is an error before anything is generated. ``on_batch(problems)`` is called after each
     written batch (tests interrupt there). ``progress``: True, a bar of problems with the ETA (a line per batch
     without a terminal); "bar", the bar on a terminal only; False, nothing.
+
+    Collective when torch.distributed runs more than one rank (see the module doc): every rank calls it with the
+    same arguments and its own engine (``engine.layout`` says which engine the rank belongs to; an engine without
+    one counts as an engine of its own); ``scorer`` is used on the engines' leaders only (None elsewhere is fine);
+    rank 0 writes the files and shows the progress; an error before generation (settings, prompts) is raised on
+    every rank; ``on_batch`` runs on every rank.
     """
-    config.validate()
-    benchmarks = load_benchmarks(config)
-    prompts = build_prompts(benchmarks, config.template, tokenizer, max_prompt_tokens)
+    dist = _process_group()
     output = Path(output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    settings = {**config.settings(), "benchmarks": [b.name for b in benchmarks], "model": model}
-    _check_settings(output, settings)
-    samples_path = output / SAMPLES_FILE
-    finished, dropped = _read_finished(samples_path, dict.fromkeys(prompts, 0), config.n)
-    if dropped:  # rewrite without the unfinished problems, atomically, before appending
-        log.warning("eval: dropping %d line(s) of unfinished problems from %s", dropped, samples_path)
-        tmp = samples_path.with_suffix(".jsonl.tmp")
-        _write_lines(tmp, [r for records in finished.values() for r in records], "w")
-        os.replace(tmp, samples_path)
-    if finished and progress is True:
+    layout, rank, failure, pending, finished = None, 0, None, [], {}
+    try:
+        if dist is not None:
+            layout = _engine_layout(engine, dist)
+            rank = layout.rank
+        config.validate()
+        benchmarks = load_benchmarks(config)
+        prompts = build_prompts(benchmarks, config.template, tokenizer, max_prompt_tokens)
+        settings = {**config.settings(), "benchmarks": [b.name for b in benchmarks], "model": model}
+        if rank == 0:
+            finished = _open_output(output, settings, prompts, config)
+            pending = [key for key in prompts if key not in finished]
+    except Exception as exc:  # noqa: BLE001 -- collective: every rank learns of it before anyone generates
+        if dist is None:
+            raise
+        failure = exc
+    if dist is not None:
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, (None if failure is None else _error_text(failure),
+                                        pending if rank == 0 else None))
+        if failure is not None:
+            raise failure
+        failed = [text for text, _ in states if text is not None]
+        if failed:  # the same message on every rank (the lowest failed rank's)
+            raise EvalError(failed[0])
+        pending = states[0][1]
+    if finished and progress is True and rank == 0:
         print(f"eval: resuming, {len(finished)} of {len(prompts)} problems already done", flush=True)
 
     sampling = config.sampling()
-    tracker = _Progress(total=len(prompts), done=len(finished), mode=progress)
+    samples_path = output / SAMPLES_FILE
+    score = layout is None or layout.is_leader
+    tracker = _Progress(total=len(prompts), done=len(prompts) - len(pending), mode=progress if rank == 0 else False)
+    todo = set(pending)
     start = time.perf_counter()
     for bench in benchmarks:
-        pending = [ex for ex in bench.problems if (bench.name, ex.id) not in finished]
-        for first in range(0, len(pending), config.problems_per_batch):
-            batch = pending[first:first + config.problems_per_batch]
-            requests = [GenerationRequest(ex.id, prompts[(bench.name, ex.id)], config.n) for ex in batch]
-            # step=0 always: a problem's seeds depend on (seed, problem id) only, so a resumed or re-batched
-            # evaluation, and every evaluation during training, draws the same random numbers per problem.
-            responses = engine.generate(requests, sampling, step=0)
-            references = {ex.id: ex.references(include_candidates=config.answer_candidates) for ex in batch}
-            scored = scorer.score([r.text or "" for r in responses], [references[r.prompt_id] for r in responses],
-                                  finish_reasons=[r.finish_reason for r in responses])
-            records = [{"benchmark": bench.name, "problem_id": r.prompt_id, "sample_index": r.sample_index,
-                        "response": r.text or "", "extracted_answer": answer, "correct": bool(reward > 0),
-                        "why": why, "finish_reason": r.finish_reason, "num_tokens": r.num_tokens}
-                       for r, reward, why, answer in zip(responses, scored.rewards, scored.reasons,
-                                                         scored.extracted_answers)]
-            _write_lines(samples_path, records, "a")
-            for i, ex in enumerate(batch):  # responses come grouped in request order (the engine contract)
-                finished[(bench.name, ex.id)] = records[i * config.n:(i + 1) * config.n]
+        problems = [ex for ex in bench.problems if (bench.name, ex.id) in todo]
+        for first in range(0, len(problems), config.problems_per_batch):
+            batch = problems[first:first + config.problems_per_batch]
+            mine = _share_of_engine(batch, prompts, bench.name, config, layout)
+            records = _generate_records(engine, scorer, mine, bench.name, prompts, config, sampling, score)
+            if dist is not None:
+                parts = [None] * dist.get_world_size() if rank == 0 else None
+                dist.gather_object(records if score else None, parts, dst=0)
+                if rank == 0:
+                    records = _in_problem_order(parts, batch, config)
+            if rank == 0:
+                _write_lines(samples_path, records, "a")
+                for i, ex in enumerate(batch):  # grouped in problem order, by sample index
+                    finished[(bench.name, ex.id)] = records[i * config.n:(i + 1) * config.n]
             tracker.update(bench.name, len(batch))
             if on_batch is not None:
                 on_batch(len(batch))
     seconds = time.perf_counter() - start
     tracker.close()
 
-    summary = summarize(benchmarks, finished, config)
-    summary["settings"] = settings
-    summary["generated_problems"] = tracker.generated
-    summary["seconds"] = seconds
-    summary["problems_per_second"] = tracker.generated / seconds if tracker.generated and seconds > 0 else None
-    _write_json_atomic(output / SUMMARY_FILE, summary)
+    summary, failure = None, None
+    if rank == 0:
+        try:
+            summary = summarize(benchmarks, finished, config)
+            summary["settings"] = settings
+            summary["generated_problems"] = tracker.generated
+            summary["seconds"] = seconds
+            summary["problems_per_second"] = (tracker.generated / seconds if tracker.generated and seconds > 0
+                                              else None)
+            _write_json_atomic(output / SUMMARY_FILE, summary)
+        except Exception as exc:  # noqa: BLE001 -- the other ranks wait for the summary
+            if dist is None:
+                raise
+            failure = exc
+    if dist is not None:
+        box = [(None if failure is None else _error_text(failure), summary)]
+        dist.broadcast_object_list(box, src=0)
+        if failure is not None:
+            raise failure
+        if box[0][0] is not None:
+            raise EvalError(box[0][0])
+        summary = box[0][1]
     return summary
 
 
