@@ -235,10 +235,11 @@ def test_signal_to_the_launcher_reaches_the_ranks_and_they_stop_together(tmp_pat
 
 # ------------------------------------------------------------------------------ end to end: dynamo train on CPU
 def _start_run(out_dir):
-    """`dynamo train` on the CPU default, small and long (it must still be running when killed); returns the process
-    once step 1 is logged and its descendants recorded then (pid + create time)."""
+    """`dynamo train --nproc 2` on the CPU default, small and long (it must still be running when killed): two ranks,
+    each hosting a vLLM engine in process, the engine leaders' reward workers. Returns the process once step 1 is
+    logged and its descendants recorded then (pid + create time)."""
     cmd = [sys.executable, "-m", "megatron_dynamo.cli", "train", os.path.join(REPO, "configs", "cpu_default.yaml"),
-           f"trainer.output_dir={out_dir}", "trainer.steps=500", "trainer.sft_warmup_steps=2",
+           "--nproc", "2", f"trainer.output_dir={out_dir}", "trainer.steps=500", "trainer.sft_warmup_steps=2",
            "data.prompts_per_step=8", "trainer.mini_batch_prompts=4", "dynamo.allocation.n_avg=4",
            "dynamo.allocation.n_min=2", "dynamo.allocation.n_max=6", "data.synthetic_problems=16",
            "checkpoint.every=1000", "logging.tensorboard=false", "logging.plot=false"]
@@ -267,8 +268,8 @@ def test_sigterm_saves_the_step_and_kill_9_leaves_no_process(tmp_path):
     out = str(tmp_path / "term")
     proc, recorded = _start_run(out)
     try:
-        names = {p.name() for p in recorded if _alive(p)}
-        assert any("VLLM" in name for name in names), names  # the engine is up: its processes are recorded
+        ranks = [p for p in recorded if _alive(p) and p.ppid() == proc.pid and "python" in p.name().lower()]
+        assert len(ranks) >= 2, recorded  # both ranks (and with them their engines) are up and recorded
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=180) == 143
         err = open(os.path.join(out, "stderr.txt")).read()

@@ -1,10 +1,11 @@
 """Rollout stage with the real vLLM (CPU build) on the tiny Qwen2: per-prompt counts and alignment, reproducible
-seeds, weight sync from a Megatron actor living in the same process (log-probs within 1e-4), sleep/wake, and the
+seeds, in-process weight sync from a Megatron actor (log-probs within 1e-4, no aliasing), sleep/wake, engines
+colocated on 2 ranks (TP=1: two engines; TP=2: one engine over both ranks) giving the tokens of one engine, and the
 rank-0 allocation broadcast.
 
-One vLLM engine serves the whole module (a start costs ~20 s). It is started *after* ``runtime.init_distributed``
-has installed Megatron's CPU compatibility layer in this process, as in the trainer. vLLM is required: a missing or
-broken install fails here with the install hint, it is not skipped.
+One vLLM engine serves the module's one-rank tests (in this process, on a one-rank group). It is started *after*
+``runtime.init_distributed`` has installed Megatron's CPU compatibility layer in this process, as in the trainer.
+vLLM is required: a missing or broken install fails here with the install hint, it is not skipped.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 from hf_reference import TINY_QWEN2, hf_model, hf_state_dict
 from multiproc import run_on_ranks
 
-from megatron_dynamo.rollout import (GenerationRequest, SamplingConfig, check_responses, create_engine,
-                                     group_by_prompt, iter_packed_buckets, registered_engines, request_seed,
-                                     sync_weights, unpack_bucket)
+from megatron_dynamo.rollout import (GenerationRequest, SamplingConfig, assign_to_engines, check_responses,
+                                     create_engine, group_by_prompt, registered_engines, request_loads, request_seed,
+                                     sync_weights)
 
 LOGPROB_TOL = 1e-4
 
@@ -97,25 +98,6 @@ def _tokens_by_key(responses):
 
 
 # ------------------------------------------------------------------------------------------------ no engine
-def test_packed_buckets_round_trip_and_bounds():
-    g = torch.Generator().manual_seed(0)
-    tensors = [("a", torch.randn(7, 5, generator=g)), ("b", torch.randn(300, generator=g).to(torch.bfloat16)),
-               ("empty", torch.zeros(0, 3)), ("ids", torch.arange(11)), ("big", torch.randn(100, 10, generator=g)),
-               ("t", torch.randn(3, 4, generator=g).t()), ("mask", torch.tensor([True, False, True]))]
-    bucket_bytes = 1024
-    received = []
-    for bucket in iter_packed_buckets(iter(tensors), bucket_bytes):
-        data, entries = bucket.wire()
-        assert len(entries) == 1 or bucket.data.numel() <= bucket_bytes, "a multi-tensor bucket overflowed"
-        assert all(e[3] % 64 == 0 for e in entries)
-        received.extend(unpack_bucket(bytes(data), entries))  # as it arrives from another process: plain bytes
-    assert [n for n, _ in received] == [n for n, _ in tensors]
-    for (name, sent), (_, got) in zip(tensors, received):
-        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent), name
-    with pytest.raises(ValueError):
-        next(iter_packed_buckets(iter(tensors), 8))
-
-
 def test_requests_and_registry_validate():
     with pytest.raises(ValueError):
         GenerationRequest("p", [1, 2], -1)
@@ -277,8 +259,10 @@ def test_sleep_and_wake_up(engine, tokenizer):
     sampling = SamplingConfig(max_tokens=8, seed=5)
     before = engine.generate(requests, sampling)
     calls = []
-    real_rpc = engine._rpc
-    engine._rpc = lambda method, *args, **kwargs: calls.append(method) or real_rpc(method, *args, **kwargs)
+    llm = engine.llm
+    for method in ("sleep", "wake_up"):
+        real = getattr(llm, method)
+        setattr(llm, method, lambda *a, _name=method, _real=real, **k: calls.append(_name) or _real(*a, **k))
     try:
         engine.sleep()
         engine.sleep()  # idempotent
@@ -288,7 +272,7 @@ def test_sleep_and_wake_up(engine, tokenizer):
         engine.wake_up()
         engine.wake_up()
     finally:
-        del engine._rpc
+        del llm.sleep, llm.wake_up
     assert not engine.is_sleeping
     # vLLM's CPU backend has no sleep mode: nothing is asked of vLLM (its worker would only warn that it ignores it).
     assert engine.sleep_mode == torch.cuda.is_available()
@@ -341,15 +325,25 @@ def test_weight_sync_from_megatron_matches_logprobs(engine, tokenizer, runtime_i
     assert _max_logprob_error(actor, before) > 1e-2, "engine and actor agree before any sync: the test proves nothing"
 
     stats = sync_weights(engine, actor)
-    assert stats.buckets == 1 and stats.tensors == len(new_state) and stats.bytes == param_bytes
+    assert stats.tensors == len(new_state) and stats.bytes == param_bytes and stats.gb_per_second > 0
     synced = engine.generate(requests, sampling)
     assert _max_logprob_error(actor, synced) < LOGPROB_TOL
 
-    # Put the old weights back through the same path (an arbitrary HF stream), then sync again in many buckets.
+    # The engine holds copies: changing Megatron's weights in place (as an optimizer step does) leaves it as it is.
+    with torch.no_grad():
+        saved = [p.detach().clone() for _, p in actor.named_parameters()]
+        for _, p in actor.named_parameters():
+            p.add_(0.5)
+    assert _tokens_by_key(engine.generate(requests, sampling)) == _tokens_by_key(synced)
+    assert [r.logprobs for r in engine.generate(requests, sampling)] == [r.logprobs for r in synced]
+    with torch.no_grad():
+        for (_, p), old in zip(actor.named_parameters(), saved):
+            p.copy_(old)
+
+    # Put the old weights back through the same path (an arbitrary HF stream), then sync again.
     engine.update_weights(hf_state_dict(TINY_QWEN2, seed=0).items())
     assert _tokens_by_key(engine.generate(requests, sampling)) == _tokens_by_key(before)
-    small = sync_weights(engine, actor, bucket_bytes=64 * 1024)
-    assert small.buckets >= 20 and small.bytes == param_bytes
+    sync_weights(engine, actor)
     resynced = engine.generate(requests, sampling)
     assert _max_logprob_error(actor, resynced) < LOGPROB_TOL
     assert _tokens_by_key(resynced) == _tokens_by_key(synced)
@@ -360,6 +354,42 @@ def test_weight_sync_from_megatron_matches_logprobs(engine, tokenizer, runtime_i
     sync_weights(engine, actor)
     engine.wake_up()
     assert _tokens_by_key(engine.generate(requests, sampling)) == _tokens_by_key(synced)
+
+    # The same requests and weights on 2 ranks: two engines (TP=1) and one engine over both ranks (TP=2) give the
+    # tokens of this one engine, and every engine's log-probs match Megatron's after the in-process sync.
+    for tp in (1, 2):
+        results = run_on_ranks(_colocated_worker, 2, engine.config.model, tp, requests, sampling)
+        merged = {}
+        for result in results:
+            assert result["engines"] == 2 // tp
+            assert result["before_error"] > 1e-2 and result["error"] < LOGPROB_TOL, (tp, result)
+            merged.update(result["tokens"])
+        assert merged == _tokens_by_key(synced), tp
+        if tp == 2:  # both ranks of the one engine return the same samples
+            assert results[0]["tokens"] == results[1]["tokens"]
+
+
+def _colocated_worker(rank, world_size, model_dir, tp, requests, sampling):
+    from megatron_dynamo.parallel import runtime
+    from megatron_dynamo.rollout.vllm_engine import VLLMEngine
+    from megatron_dynamo.trainer.actor import MegatronActor
+
+    runtime.init_distributed(runtime.ParallelConfig(), seed=1234)  # Megatron TP=1: each rank holds the whole model
+    actor = MegatronActor(TINY_QWEN2, optim=None, hf_weights=hf_state_dict(TINY_QWEN2, seed=1).__getitem__)
+    engine = VLLMEngine(model_dir, tensor_parallel_size=tp, max_model_len=256, max_num_batched_tokens=256,
+                        cpu_kvcache_space_gb=1, seed=0, engine_kwargs={"block_size": 32})
+    try:
+        layout = engine.layout
+        loads = request_loads([len(r.prompt_token_ids) for r in requests], [r.count for r in requests], 24)
+        mine = [r for r, e in zip(requests, assign_to_engines(loads, layout.num_engines)) if e == layout.engine_index]
+        before = engine.generate(mine, sampling)
+        before_error = _max_logprob_error(actor, before)
+        sync_weights(engine, actor)
+        after = engine.generate(mine, sampling)
+        return {"engines": layout.num_engines, "before_error": before_error,
+                "error": _max_logprob_error(actor, after), "tokens": _tokens_by_key(after)}
+    finally:
+        engine.close()
 
 
 # ------------------------------------------------------------------------------------------------ allocation

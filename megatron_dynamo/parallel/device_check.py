@@ -181,13 +181,28 @@ def _megatron_gloo_groups() -> list[Any]:
     return [g for g in groups if g is not None]
 
 
+def _vllm_gloo_groups() -> list[Any]:
+    """vLLM's ``cpu_group`` of each of its group coordinators: gloo on a GPU too (only when vLLM is loaded)."""
+    import sys
+
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is None:
+        return []
+    groups = []
+    for value in vars(state).values():
+        cpu_group = getattr(value, "cpu_group", None) if type(value).__name__ == "GroupCoordinator" else None
+        if cpu_group is not None:
+            groups.append(cpu_group)
+    return groups
+
+
 def _check_collective(name: str, args, kwargs) -> None:
     if getattr(_state, "inside_object_collective", 0):
         return
     group = kwargs.get("group")
     if group is None:
         group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-    if group is not None and any(group is g for g in _megatron_gloo_groups()):
+    if group is not None and any(group is g for g in _megatron_gloo_groups() + _vllm_gloo_groups()):
         return
     flat = tree_flatten((args, kwargs))[0]
     for item in flat:

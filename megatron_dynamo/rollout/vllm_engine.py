@@ -166,9 +166,13 @@ def _set_rng_states(states: tuple) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _launch_environment(layout: EngineLayout) -> None:
     """The variables vLLM's external launcher reads (RANK, LOCAL_RANK, MASTER_ADDR/PORT), from the running group or
-    for a one-rank group that vLLM then starts itself."""
+    for a one-rank group that vLLM then starts itself. The caller restores the previous values once the engine is
+    up (vLLM reads them only then): a child process started later must not take itself for a launched rank."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -209,6 +213,7 @@ class VLLMEngine:
         self._closed = False
         vllm = import_vllm()
 
+        saved_environment = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
         _launch_environment(self.layout)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         if not self.on_gpu:
@@ -242,6 +247,11 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
             _set_rng_states(rng)
+            for name, value in saved_environment.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         self.startup_seconds = time.perf_counter() - start
         self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
         self._sampling_params_cls = vllm.SamplingParams
