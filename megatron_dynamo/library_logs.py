@@ -2,10 +2,9 @@
 
 Causes that can be avoided are avoided where they arise, not filtered: the engine does not call vLLM's
 sleep/wake-up where the backend has no sleep mode (``rollout/vllm_engine.py``); the Megatron config passes
-``cuda_graph_scope=[]`` instead of the deprecated default ``"full"`` (``models/qwen.py``); ``VLLMEngine.close`` gives
-vLLM's processes the time they need to exit (vLLM's 5 s default made it kill them, with warnings and a
-shared-memory segment left to the resource tracker); vLLM's progress bar over checkpoint shards is switched off
-with its own option (``use_tqdm_on_load``).
+``cuda_graph_scope=[]`` instead of the deprecated default ``"full"`` (``models/qwen.py``); vLLM runs in the training
+process (``VLLMEngine``: no engine processes to stop, nothing left to the resource tracker); vLLM's progress bar
+over checkpoint shards is switched off with its own option (``use_tqdm_on_load``).
 
 Megatron's and vLLM's INFO logs stay off (``dynamo train`` sets their loggers and ``VLLM_LOGGING_LEVEL`` to
 WARNING); their warnings are filtered record by record, never by level. Each entry of :data:`NOISE` is one record

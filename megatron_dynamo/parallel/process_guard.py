@@ -19,16 +19,17 @@ as a script: ``python process_guard.py <owner pid>``. The guard
   rest and to their descendants, waits ``grace`` seconds (3), sends SIGKILL to what is left, and exits. After a
   normal exit there is nothing left, so the guard just exits.
 
-A process started and orphaned between two polls escapes the record: vLLM's processes live for the whole run, so
-this does not happen here. Processes that we start ourselves can also die with their parent through
+A process started and orphaned between two polls escapes the record: the ranks and reward workers live for the whole
+run, so this does not happen here. Processes that we start ourselves can also die with their parent through
 ``prctl(PR_SET_PDEATHSIG)`` (:func:`die_with_parent`; the local rank processes of ``parallel.spawn`` use it), which
 needs no polling but only covers the direct child and only where we run code in the child before it could be
-orphaned (not vLLM's processes, which vLLM starts).
+orphaned (not processes that a library starts).
 
 Signals for the process group. A terminal sends Ctrl-C to its whole foreground process group, which would include
 vLLM's engine processes: they shut down on SIGINT, and the trainer could not finish its step. Within
 :func:`children_in_own_session` (``dynamo train`` wraps each rank in it), processes started by ``multiprocessing``
-with spawn / forkserver (vLLM's engine core and, through it, its workers; reward workers; checkpoint helpers) begin
+with spawn / forkserver (reward workers, checkpoint helpers, and vLLM's processes where a library starts vLLM in
+its own processes) begin
 in a session of their own, so only the trainer receives such signals and decides. This is done like vLLM's own
 NUMA binding: ``multiprocessing``'s executable is replaced by a small wrapper (``sh`` -> ``python -c 'os.setsid();
 os.execv(python, ...)'``; the pid stays the same; the 3-line script lives in a private temporary folder until the
