@@ -34,6 +34,9 @@ def test_cpu_default_and_grpo_switch():
     ("rollout.temperature=0", "temperature"),
     ("data.prompts_per_step=33", "multiple of trainer.mini_batch_prompts"),
     ("dynamo.loss.kl_coef=0.1", "kl_coef"),
+    ("rollout.engine=vlm", r"engine must be one of \['vllm'\]"),
+    ("rollout.sleep_level=3", "sleep_level must be 1 or 2"),
+    ("rollout.weight_sync_bucket_mb=64", "weight_sync_bucket_mb"),  # removed: weights are loaded in process
 ])
 def test_bad_config_is_rejected_before_compute(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -400,10 +403,16 @@ def test_tp2_pp2_and_dp2_runs_match_tp1(uninterrupted, tmp_path):
     # the one-engine run's exactly, and the updates must agree.
     common = ["trainer.steps=2", "trainer.sft_warmup_steps=0", "checkpoint.every=100", "logging.tensorboard=false",
               "logging.rollouts=true", f"model.checkpoint={uninterrupted[0] / 'hf'}"]
-    layouts = {"tp1": [], "tp2": ["parallel.tensor_parallel=2"], "pp2": ["parallel.pipeline_parallel=2"],
-               "dp2": ["--nproc", "2"], "tp2_rollout_tp2": ["parallel.tensor_parallel=2", "rollout.tensor_parallel=2"]}
+    # tp1 and dp2 also evaluate during training: on two engines, the problems split over them, the same samples.
+    layouts = {"tp1": _eval_args(tmp_path / "tp1"), "tp2": ["parallel.tensor_parallel=2"],
+               "pp2": ["parallel.pipeline_parallel=2"], "dp2": ["--nproc", "2", *_eval_args(tmp_path / "dp2")],
+               "tp2_rollout_tp2": ["parallel.tensor_parallel=2", "rollout.tensor_parallel=2"]}
     runs = {name: _train(tmp_path / name, *common, *extra)[0] for name, extra in layouts.items()}
     rollouts = {name: (tmp_path / name / "rollouts.jsonl").read_text() for name in layouts}
+    for step in ("step_000000", "step_000002"):
+        samples = [(tmp_path / name / "eval" / step / "samples.jsonl").read_text() for name in ("tp1", "dp2")]
+        assert samples[0] == samples[1] and samples[0].count("\n") == 8 * 4, step
+    runs = {name: [m for m in rows if "loss" in m] for name, rows in runs.items()}  # without the step-0 eval row
     assert all(m["loss"] != 0 and m["grad_norm"] > 0 and 0 < m["reward_mean"] < 1 for m in runs["tp1"])
     assert [m["rollout/engines"] for m in runs["tp1"]] == [1, 1]
     for name in layouts:
@@ -423,6 +432,7 @@ def test_tp2_pp2_and_dp2_runs_match_tp1(uninterrupted, tmp_path):
     ("model.config=/nonexistent/config.json", "model.config: no such file: /nonexistent/config.json"),
     ("model.tokenizer=/nonexistent/tok", "model.tokenizer: no such directory: /nonexistent/tok"),
     ("data.prompts_per_step=256", "data.prompts_per_step (256) exceeds data.synthetic_problems (128)"),
+    ("rollout.tensor_parallel=2", "rollout.tensor_parallel=2 does not divide the 1 ranks"),
 ])
 def test_missing_inputs_fail_in_one_line_before_any_rank_starts(tmp_path, override, message):
     extra = ["trainer.mini_batch_prompts=256"] if "prompts_per_step" in override else []

@@ -23,9 +23,12 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_dynamo.rollout.sharding import EngineLayout
 
 FinishReason = Literal["stop", "length"]
 
@@ -233,9 +236,12 @@ class GenerationEngine(Protocol):
     seed derivation (:func:`request_seed`). ``update_weights``: load HF-named full tensors into the running engine
     (any subset of the model; a stream is consumed once). ``sleep``/``wake_up``: free / restore the engine's
     accelerator memory around a training phase (no-ops where unsupported). ``close``: stop the engine.
-    A colocated engine (``VLLMEngine``) also has a ``layout`` (:class:`~megatron_dynamo.rollout.sharding.EngineLayout`):
-    which engine this rank belongs to; ranks of one engine call ``generate`` with identical requests.
+    ``layout`` (:class:`~megatron_dynamo.rollout.sharding.EngineLayout`): which engine this rank's part belongs to
+    (every rank hosts a part; ranks of one engine call ``generate`` with identical requests, the trainer splits a
+    step's prompts over the engines).
     """
+
+    layout: "EngineLayout"
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig,
                  step: int = 0) -> list[GenerationResponse]: ...

@@ -100,6 +100,10 @@ class RolloutConfig:
     offload_training_state: bool = False
 
     def validate(self) -> None:
+        from megatron_dynamo.rollout.interface import registered_engines
+
+        if self.engine not in registered_engines():
+            raise ValueError(f"engine must be one of {registered_engines()}, got {self.engine!r}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

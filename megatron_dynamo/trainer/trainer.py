@@ -180,7 +180,7 @@ class Trainer:
         """This rank's part of its rollout engine (every rank hosts a vLLM worker; ``rollout.tensor_parallel``
         consecutive ranks form an engine), started from the run's tokenizer and model config with random weights:
         Megatron's are loaded before the first rollout (no model file is written). Rank 0 writes the directory."""
-        from megatron_dynamo.rollout.vllm_engine import VLLMEngine
+        from megatron_dynamo.rollout.interface import create_engine
 
         model_dir = self.output_dir / "rollout_model"
         if self.rank == 0:
@@ -190,14 +190,15 @@ class Trainer:
         dist.barrier()
         run = self.run
         gpu = torch.cuda.is_available()
-        return VLLMEngine(str(model_dir), tensor_parallel_size=run.rollout.tensor_parallel,
-                          dtype="bfloat16" if self.rollout_dtype == torch.bfloat16 else "float32",
-                          max_model_len=self.engine_max_len, seed=run.trainer.seed,
-                          gpu_memory_utilization=run.rollout.gpu_memory_utilization,
-                          enable_sleep_mode=run.rollout.sleep_during_training and gpu,
-                          sleep_level=run.rollout.sleep_level,
-                          # Random weights at start: the trainer loads its own before the first rollout.
-                          engine_kwargs={"load_format": "dummy"})
+        return create_engine(run.rollout.engine, model=str(model_dir),
+                             tensor_parallel_size=run.rollout.tensor_parallel,
+                             dtype="bfloat16" if self.rollout_dtype == torch.bfloat16 else "float32",
+                             max_model_len=self.engine_max_len, seed=run.trainer.seed,
+                             gpu_memory_utilization=run.rollout.gpu_memory_utilization,
+                             enable_sleep_mode=run.rollout.sleep_during_training and gpu,
+                             sleep_level=run.rollout.sleep_level,
+                             # Random weights at start: the trainer loads its own before the first rollout.
+                             engine_kwargs={"load_format": "dummy"})
 
     # ------------------------------------------------------------------ phases
     def sft_warmup(self) -> list[float]:
