@@ -25,7 +25,8 @@ broadcasts between them. The table also gives step_seconds - time/rollout alone 
 
 Two clocks. WALL: the trainer's own stage timers (step_seconds, time/<stage>), i.e. what a user waits for. CPU: the
 same stages timed with time.process_time() of the trainer process (the benchmark wraps the trainer's stage timer;
-the vLLM engine and the reward workers are separate processes, so their work is not in it). On the 2-core machine
+the reward workers are separate processes, so their work is not in it; the vLLM engine runs in the trainer process
+since 2026-11-23, so its work is in the rollout stage and weight_sync, as on the wall clock). On the 2-core machine
 shared with other sessions the wall clock of a step swings by tens of percent with the load of others, and with
 two torch threads so does the CPU time (OpenMP threads spin-wait while the other core is taken): hence one torch
 thread by default (--threads), which costs this tiny model no wall time here. Both clocks are printed, with means,
@@ -78,8 +79,9 @@ def non_generation(m, clock="wall", include_reward=False):
 
 def install_cpu_stage_timer():
     """Make the trainer's stage timer also record this process's CPU time per stage (time.process_time: all
-    threads of the trainer process; the vLLM engine and the reward workers are other processes). CPU time is
-    hardly moved by other work on the machine, unlike wall time. Returns a list holding the last step's timer."""
+    threads of the trainer process, the in-process vLLM engine included; the reward workers are other processes).
+    CPU time is hardly moved by other work on the machine, unlike wall time. Returns a list holding the last step's
+    timer."""
     from contextlib import contextmanager
 
     import megatron_dynamo.trainer.step as step_module
@@ -234,8 +236,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         trainer.sft_warmup()
-        sync_weights(trainer.engine, trainer.actor, bucket_bytes=base.rollout.weight_sync_bucket_mb << 20,
-                     dtype=trainer.rollout_dtype)
+        sync_weights(trainer.engine, trainer.actor, dtype=trainer.rollout_dtype)
         print(f"SFT warm-up ({base.trainer.sft_warmup_steps} steps) and first weight sync: "
               f"{time.perf_counter() - t0:.0f}s", flush=True)
         step = 0

