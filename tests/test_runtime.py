@@ -80,6 +80,14 @@ def _cpu_compat_worker(rank, world_size):
     with tracker.fork():
         b = torch.rand(3)
     seen["fork_advances_its_stream"] = not torch.equal(a, b)
+    # Suspended for code that never names CUDA (vLLM's CPU engine), back after the block.
+    with cpu_compat.suspended():
+        try:
+            torch.zeros(1, device="cuda")
+            seen["suspended"] = "redirected"
+        except (AssertionError, RuntimeError):
+            seen["suspended"] = "off"
+    seen["after_suspended"] = torch.zeros(1, device="cuda").device.type
     return seen
 
 
@@ -91,7 +99,8 @@ def test_cpu_compat_redirects_cuda_in_every_thread():
     (seen,) = run_on_ranks(_cpu_compat_worker, 1)
     assert seen == {"installed": True, "factory": "cpu", "cuda()": "cpu", "to": "cpu",
                     "type": "torch.cuda.BFloat16Tensor", "thread_before_install": False, "thread_device": "cpu",
-                    "fork_restores_outer_state": True, "fork_advances_its_stream": True}
+                    "fork_restores_outer_state": True, "fork_advances_its_stream": True, "suspended": "off",
+                    "after_suspended": "cpu"}
 
 
 def _bf16_worker(rank, world_size, config):

@@ -166,7 +166,9 @@ def _set_rng_states(states: tuple) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Read while the engine starts, restored once it is up. VLLM_DIST_IDENT is vLLM's CPU worker's own (a name for its
+# shared memory), which vLLM's environment check calls unknown in any vLLM process started later that inherits it.
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VLLM_DIST_IDENT")
 
 
 def _launch_environment(layout: EngineLayout) -> None:
@@ -326,7 +328,10 @@ class VLLMEngine:
             else:
                 prompts.append({"prompt": request.prompt_text})
 
-        outputs_by_request = self._run(prompts, params)
+        from megatron_dynamo.parallel import cpu_compat
+
+        with cpu_compat.suspended():  # vLLM never names CUDA on CPU: no Python hook on each of its torch ops
+            outputs_by_request = self._run(prompts, params)
         responses: list[GenerationResponse] = []
         for request, seed, output in zip(active, seeds, outputs_by_request):
             prompt_ids = tuple(int(t) for t in output.prompt_token_ids)

@@ -110,8 +110,8 @@ class StepRunner:
         """The engine awake for a generation phase (rollout, evaluation), asleep again after it when
         ``rollout.sleep_during_training`` and the engine has a sleep mode (vLLM's CPU backend has none: nothing to
         free, so nothing is called). With ``rollout.offload_training_state`` Megatron's state sits in host memory
-        meanwhile (collected anew each time: Adam's moments appear at the first step). No sleep or reload after a
-        failure: the run ends, and a dead engine cannot sleep."""
+        meanwhile (collected anew each time: Adam's moments appear at the first step), and comes back even after a
+        failure (a checkpoint may still be written). No sleep after a failure: a dead engine cannot sleep."""
         from megatron_dynamo.trainer.offload import HostOffload, training_state_tensors
 
         sleeping = self.run.rollout.sleep_during_training and getattr(self.engine, "sleep_mode", True)
@@ -119,13 +119,15 @@ class StepRunner:
         if self.run.rollout.offload_training_state:
             offload = HostOffload(training_state_tensors(self.actor.chunks, self.actor.optimizer))
             offload.offload()
-        if sleeping:
-            self.engine.wake_up()
-        yield
-        if sleeping:
-            self.engine.sleep()
-        if offload is not None:
-            offload.reload()
+        try:
+            if sleeping:
+                self.engine.wake_up()
+            yield
+            if sleeping:
+                self.engine.sleep()
+        finally:
+            if offload is not None:
+                offload.reload()
 
     def _rollout_and_reward(self, step, examples, counts, timer):
         """Every rank: generate this engine's share of the prompts, score it on the engine leader, exchange.
