@@ -10,18 +10,21 @@ an unknown key or a bad value is an error before anything is built. Ablations sw
 dynamo.allocation.enabled=false (DRA), dynamo.modulation.gc=false (GC), dynamo.modulation.ums=false (UMS).
 
 Launch: a single process runs all ranks itself when --nproc > 1 (gloo on CPU, one GPU per rank on GPUs);
-under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set) each process is one rank.
-Output: <trainer.output_dir>/metrics.jsonl, tensorboard/, reward_curve.png, checkpoints/.
+under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set) each process is one rank. Every rank hosts a vLLM
+worker inside its own process: rollout.tensor_parallel consecutive ranks form one engine, each engine generates its
+share of a step's prompts (docs/rollout.md).
+Output: <trainer.output_dir>/metrics.jsonl, prompts.jsonl, tensorboard/, reward_curve.png, checkpoints/
+(rollouts.jsonl with logging.rollouts=true).
 
 Stopping: SIGINT (Ctrl-C) or SIGTERM stops the run after the current step: every rank stops after the same step,
 that step's checkpoint is saved (if it was not already), the rollout engine and reward workers are shut down, and
 the command exits with a line naming the saved step (exit status 130 for SIGINT, 143 for SIGTERM); --resume
 continues from it. A second signal stops at once, without a checkpoint. With --nproc > 1 the signal goes to this
 process, which passes it on to the ranks; under torchrun/srun every rank must receive it. However the run ends
-(kill -9 included), a watchdog process stops whatever it started (vLLM's engine processes, reward workers), within
-a few seconds. vLLM's and the reward workers' processes run in sessions of their own, so Ctrl-C at a terminal
-reaches the trainer only; a signal sent to every process of the run (Slurm at the time limit) stops them too, and
-the step in progress then fails instead of finishing.
+(kill -9 included), a watchdog process stops whatever it started (ranks, reward workers), within a few seconds.
+The reward workers run in sessions of their own, so Ctrl-C at a terminal reaches the trainer only; a signal sent
+to every process of the run (Slurm at the time limit) stops them too, and the step in progress then fails instead
+of finishing.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint under the run's checkpoint directory")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks to spawn on this machine (default: tensor x pipeline parallel size); "
-                             "ignored under torchrun/srun")
+                        help="ranks to spawn on this machine (default: tensor x pipeline parallel size); each "
+                             "hosts a vLLM worker, so it runs N / rollout.tensor_parallel engines (N must be a "
+                             "multiple of it); ignored under torchrun/srun")
 
 
 def _launched_externally() -> bool:
