@@ -234,7 +234,11 @@ def _trainer_worker(rank, world_size, output_dir):
     from megatron_dynamo.trainer.trainer import Trainer
 
     math_reward.MathRewardScorer = lambda *args, **kwargs: None
-    Trainer._build_engine = lambda self: None
+    from types import SimpleNamespace
+
+    from megatron_dynamo.rollout.sharding import EngineLayout
+
+    Trainer._build_engine = lambda self: SimpleNamespace(layout=EngineLayout(0, 1, 1), close=lambda: None)
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={output_dir}", "model.config=null",
                                         f"model.checkpoint={HUB_ID}", f"model.tokenizer={HUB_ID}"])
     trainer = Trainer(run)

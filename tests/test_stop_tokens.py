@@ -132,7 +132,11 @@ def _built_trainer(monkeypatch, tmp_path, overrides, rank=0):
 
     monkeypatch.setattr(actor_module, "MegatronActor", lambda *args, **kwargs: None)
     monkeypatch.setattr(math_reward, "MathRewardScorer", lambda *args, **kwargs: None)
-    monkeypatch.setattr(Trainer, "_build_engine", lambda self: None)
+    from types import SimpleNamespace
+
+    from megatron_dynamo.rollout.sharding import EngineLayout
+
+    monkeypatch.setattr(Trainer, "_build_engine", lambda self: SimpleNamespace(layout=EngineLayout(rank, rank + 1, 1)))
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={tmp_path / 'run'}", *overrides])
     trainer = Trainer.__new__(Trainer)
     trainer.run, trainer.rank, trainer.output_dir = run, rank, tmp_path / "run"
