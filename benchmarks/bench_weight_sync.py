@@ -116,28 +116,15 @@ class LegacyRPCExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        from megatron_dynamo.rollout.vllm_engine import quiet_reload_records_of_buffer_only_layers
+
         model = self.model_runner.model
         if not hasattr(self, "_bench_device"):  # during a reload incomplete layers sit on the meta device
             self._bench_device = next(model.parameters()).device
-            self._bench_quiet_bufferonly_layers(model)
+            quiet_reload_records_of_buffer_only_layers(model)  # as the old worker did
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         return True
-
-    @staticmethod
-    def _bench_quiet_bufferonly_layers(model) -> None:
-        """As the old worker did: no "Failed to load weights" record for buffer-only layers (the rotary cache)."""
-        from megatron_dynamo.library_logs import DropRecords, add_filter
-
-        names = set()
-        for m in model.modules():
-            buffers = {k for k, b in m._buffers.items() if b is not None}
-            if buffers and not any(p is not None for p in m._parameters.values()) \
-                    and buffers <= set(m._non_persistent_buffers_set):
-                names.add(type(m).__name__)
-        if names:
-            add_filter("vllm.model_executor.model_loader.reload.layerwise",
-                       DropRecords(["%s: Failed to load weights"], first_args=names))
 
     def bench_load_bucket(self, data, entries) -> int:
         from vllm.config import set_current_vllm_config
@@ -374,22 +361,6 @@ def _qwen2_config(args) -> dict:
     return cfg
 
 
-def _write_model_dir(cfg: dict, out_dir: str, seed: int) -> int:
-    """Random HF Qwen2 weights (safetensors) + the character tokenizer; returns the weight bytes."""
-    import transformers
-
-    from megatron_dynamo.data import build_char_tokenizer
-
-    cfg = dict(cfg)
-    model_type = cfg.pop("model_type")
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **cfg),
-                                                         dtype=torch.float32)
-    model.save_pretrained(out_dir)
-    build_char_tokenizer(out_dir)
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
 def _fmt_ratio(old: float, new: float) -> str:
     return f"{old / new:.0f}x" if old / new >= 10 else f"{old / new:.1f}x"
 
@@ -494,6 +465,8 @@ def main(argv=None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join([BENCH_DIR, REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from bench_rollout import _write_model_dir  # the same random HF model directory as the rollout benchmark
+
     from megatron_dynamo import library_logs
     from megatron_dynamo.parallel.spawn import run_on_ranks
 

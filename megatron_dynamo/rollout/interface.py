@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -202,18 +202,12 @@ def group_by_prompt(responses: Iterable[GenerationResponse]) -> dict[str, list[G
 
 @dataclass
 class WeightUpdateStats:
-    """What one weight load moved on this rank: bytes and tensors loaded, wall seconds (``seconds`` includes
-    producing the tensors, e.g. the TP/PP gather, when the producer is a generator; ``load_seconds`` does not)."""
+    """What one weight load moved on this rank: bytes and tensors loaded, wall seconds (producing the tensors
+    included: the engine consumes the stream, e.g. the TP/PP gather, as it loads)."""
 
     bytes: int = 0
     tensors: int = 0
     seconds: float = 0.0
-    load_seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def seconds_per_gb(self) -> float:
-        return self.seconds / (self.bytes / 1e9) if self.bytes else float("nan")
 
     @property
     def gb_per_second(self) -> float:

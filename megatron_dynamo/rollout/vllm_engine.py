@@ -49,7 +49,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -190,6 +190,24 @@ def _launch_environment(layout: EngineLayout) -> None:
                           MASTER_PORT=str(_free_port()))
 
 
+def quiet_reload_records_of_buffer_only_layers(model: torch.nn.Module) -> None:
+    """Drop the layer-wise reload's "<layer>: Failed to load weights" record for the layer classes of ``model`` that
+    hold only non-persistent buffers (the rotary embedding's cos/sin cache): no checkpoint has a tensor for them, so
+    nothing is ever sent and the reload puts their buffers back as they were. Any other layer's record still shows
+    (a weight missing from an update)."""
+    from megatron_dynamo.library_logs import DropRecords, add_filter
+
+    names = set()
+    for module in model.modules():
+        buffers = {name for name, b in module._buffers.items() if b is not None}
+        if buffers and not any(p is not None for p in module._parameters.values()) \
+                and buffers <= set(module._non_persistent_buffers_set):
+            names.add(type(module).__name__)
+    if names:
+        add_filter("vllm.model_executor.model_loader.reload.layerwise",
+                   DropRecords(["%s: Failed to load weights"], first_args=names))
+
+
 class VLLMEngine:
     """This rank's part of a colocated vLLM engine, implementing
     :class:`~megatron_dynamo.rollout.interface.GenerationEngine` (see the module docstring).
@@ -257,7 +275,7 @@ class VLLMEngine:
         self.startup_seconds = time.perf_counter() - start
         self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
         self._sampling_params_cls = vllm.SamplingParams
-        self._quiet_bufferonly_layers()
+        quiet_reload_records_of_buffer_only_layers(self._worker.model_runner.model)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -269,7 +287,8 @@ class VLLMEngine:
     @property
     def model(self) -> torch.nn.Module:
         """vLLM's model on this rank (its TP slice of the engine)."""
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        self._check_open()
+        return self._worker.model_runner.model
 
     def _check_open(self) -> None:
         if self._closed:
@@ -389,22 +408,6 @@ class VLLMEngine:
             seed=None if seed is None else seed + int(completion.index))
 
     # ------------------------------------------------------------------ weights
-    def _quiet_bufferonly_layers(self) -> None:
-        """Drop the reload's "<layer>: Failed to load weights" record for the layer classes that hold only
-        non-persistent buffers (the rotary embedding's cos/sin cache): no checkpoint has a tensor for them, so
-        nothing is ever sent and the reload puts their buffers back as they were."""
-        from megatron_dynamo.library_logs import DropRecords, add_filter
-
-        names = set()
-        for module in self.model.modules():
-            buffers = {name for name, b in module._buffers.items() if b is not None}
-            if buffers and not any(p is not None for p in module._parameters.values()) \
-                    and buffers <= set(module._non_persistent_buffers_set):
-                names.add(type(module).__name__)
-        if names:
-            add_filter("vllm.model_executor.model_loader.reload.layerwise",
-                       DropRecords(["%s: Failed to load weights"], first_args=names))
-
     def update_weights(self, named_tensors: NamedTensors) -> WeightUpdateStats:
         """Load ``(hf_name, full tensor)`` pairs (any subset of the model; a stream is consumed once, one tensor at
         a time) into this rank's worker, in place. Wakes the weight memory first if the engine sleeps; the KV cache
@@ -420,7 +423,7 @@ class VLLMEngine:
                 self._llm.wake_up(tags=["weights"])
             self._sleeping_tags.discard("weights")
         worker = self._worker
-        model = worker.model_runner.model
+        model = self.model
         device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
 
         def counted(stream):
@@ -447,7 +450,7 @@ class VLLMEngine:
             self._llm.reset_prefix_cache()
         if self.on_gpu:
             torch.cuda.synchronize()
-        stats.seconds = stats.load_seconds = time.perf_counter() - start
+        stats.seconds = time.perf_counter() - start
         return stats
 
     # ------------------------------------------------------------------ memory
@@ -474,10 +477,6 @@ class VLLMEngine:
         if self._cache_stale:
             self._llm.reset_prefix_cache()
             self._cache_stale = False
-
-    def memory_gib(self) -> float:
-        """GPU memory this process holds now (GiB; 0 on CPU), for the sleep/wake measurements."""
-        return torch.cuda.memory_allocated() / 2**30 if self.on_gpu else 0.0
 
     def close(self) -> None:
         """Shut this rank's worker down. Ends the default process group (vLLM's shutdown destroys it): call it after

@@ -18,7 +18,6 @@ stream to its end (so the other ranks' collectives complete) and re-raises after
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ def sync_weights(engine, model: Any, arch: Any = None, *, dtype: torch.dtype | N
 
     ``model``: a :class:`~megatron_dynamo.trainer.actor.MegatronActor` (its chunks, architecture and layer spec are
     used) or this rank's list of model chunks (then give ``arch``). ``dtype``: the dtype sent (default the engine's
-    ``weight_dtype``). Returns this rank's stats (bytes and seconds include the gather).
+    ``weight_dtype``). Returns this rank's stats (bytes and seconds: the engine consumes the gather as it loads).
     """
     from megatron_dynamo.models.export import iter_hf_weights
 
@@ -44,13 +43,10 @@ def sync_weights(engine, model: Any, arch: Any = None, *, dtype: torch.dtype | N
         if arch is None:
             raise ValueError("sync_weights: pass the architecture (arch) with a list of model chunks")
     dtype = dtype or getattr(engine, "weight_dtype", None)
-    start = time.perf_counter()
     stream = iter_hf_weights(chunks, arch, bool(te_spec), dst_rank=None, dtype=dtype)
     try:
-        stats = engine.update_weights(stream)
+        return engine.update_weights(stream)
     except BaseException:
         for _ in stream:  # keep the other ranks' collectives going, then re-raise
             pass
         raise
-    stats.seconds = time.perf_counter() - start
-    return stats
