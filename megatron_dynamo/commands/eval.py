@@ -149,15 +149,14 @@ def evaluate_on_rank(rank: int, world_size: int, job: EvalJob):
 
     from megatron_dynamo import library_logs
     from megatron_dynamo.eval.runner import evaluate
-    from megatron_dynamo.reward.math_reward import MathRewardScorer
+    from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
     from megatron_dynamo.rollout.sharding import EngineLayout
     from megatron_dynamo.rollout.vllm_engine import VLLMEngine
 
     library_logs.apply(job.verbose)
     layout = EngineLayout.of_process(job.tensor_parallel)
-    workers = job.reward_workers
-    if workers is None and layout.num_engines > 1:  # the machine's cores are shared by the engines' scorers
-        workers = max(1, min(4, len(os.sched_getaffinity(0)) // layout.num_engines))
+    # Unless given: the node's cores shared by its engines' scorers (the scorer's own default with one engine).
+    workers = job.reward_workers if job.reward_workers is not None else reward_workers_per_scorer(job.tensor_parallel)
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
     scorer = (MathRewardScorer(num_workers=workers, timeout_seconds=job.reward_timeout) if layout.is_leader
               else nullcontext())
