@@ -11,6 +11,10 @@ import math
 from dataclasses import dataclass
 
 DELTA_H_MODES = ("exact", "sequence_mean")
+# Where H_min, H_max and max Xi of a mini-batch come from: "old_policy", the old-log-prob pass (no extra forward;
+# exact for the first mini-batch, where pi = pi_old), or "current_policy", a no-grad forward under the current
+# weights before each later mini-batch (exact for every mini-batch, one more forward over it).
+SCOPE_SOURCES = ("old_policy", "current_policy")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
@@ -84,6 +88,7 @@ class ModulationConfig:
     tau: float = 0.5
     lambda_min: float = 0.6
     delta_h: str = "exact"
+    scope: str = "old_policy"
 
     def validate(self) -> "ModulationConfig":
         for name in ("gc", "ums"):
@@ -99,6 +104,8 @@ class ModulationConfig:
             raise ValueError(f"ModulationConfig.lambda_min must lie in [0, 1], got {self.lambda_min!r}")
         if self.delta_h not in DELTA_H_MODES:
             raise ValueError(f"ModulationConfig.delta_h must be one of {DELTA_H_MODES}, got {self.delta_h!r}")
+        if self.scope not in SCOPE_SOURCES:
+            raise ValueError(f"ModulationConfig.scope must be one of {SCOPE_SOURCES}, got {self.scope!r}")
         return self
 
     @property

@@ -145,6 +145,11 @@ class DynamoConfig:
             raise ValueError(f"token_stats_chunk must be None or >= 1, got {self.token_stats_chunk}")
 
 
+# "auto": packed (no padding) where the layer spec has variable-length attention (Transformer Engine, THD);
+# true: also on the local spec (one row per micro-batch, block-diagonal causal mask); false: padded rows.
+PACK_SEQUENCES = ("auto", True, False)
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """The loop. ``mini_batch_prompts`` prompts (with all their responses) make one optimizer step (paper: PPO
@@ -159,6 +164,9 @@ class TrainerConfig:
     micro_batch_size: int = 8
     ppo_epochs: int = 1
     warmup_steps: int = 10
+    micro_batch_tokens: int = 0
+    pack_sequences: bool | str = "auto"
+    fused_output_layer: bool = True
     sft_warmup_steps: int = 0
     sft_batch_size: int = 64
     sft_lr: float = 1e-3
@@ -169,9 +177,11 @@ class TrainerConfig:
         for name in ("steps", "mini_batch_prompts", "micro_batch_size", "ppo_epochs", "sft_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "sft_warmup_steps"):
+        for name in ("warmup_steps", "sft_warmup_steps", "micro_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.pack_sequences not in PACK_SEQUENCES:
+            raise ValueError(f"pack_sequences must be one of {PACK_SEQUENCES}, got {self.pack_sequences!r}")
 
 
 @dataclass(frozen=True)
