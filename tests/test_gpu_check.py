@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 WHEELS_SCRIPT = ROOT / "scripts" / "gpu_wheels.sh"
-PARTS = ["tests", "te_parity", "model_1p5b", "vllm", "train_tiny", "train_1p5b", "sleep_wake"]
+PARTS = ["tests", "te_parity", "model_1p5b", "vllm", "train_tiny", "train_1p5b", "sleep_wake", "update"]
 
 
 def _module():
@@ -152,6 +152,21 @@ def test_cpu_variant_of_the_model_part_runs(tmp_path):
     assert results[0]["status"] == "pass", results
     rows = results[0]["tables"]["step time and memory"]
     assert all(r["tokens/s (fwd+bwd+step)"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant")
+def test_cpu_variant_of_the_update_part_runs(tmp_path):
+    """--cpu: bench_update's variants (unfused/fused output layer, padded/dynamic/packed micro-batches) through the
+    trainer's update on a tiny model, and the part's report of them."""
+    out = _run("--cpu", "--part", "update", "--out", str(tmp_path), timeout=420)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())["results"]
+    assert results[0]["status"] == "pass", results
+    rows = results[0]["tables"]["update: memory and speed by variant"]
+    assert [r["variant"].split()[0] for r in rows] == ["unfused", "fused", "padded", "dynamic", "packed"]
+    assert all(r["tokens/s"] > 0 and r["micro-batches"] >= 1 for r in rows)
+    assert "padded tokens/s" in results[0]["summary"]
 
 
 def test_pytest_summary_lines_are_parsed():
