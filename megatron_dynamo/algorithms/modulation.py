@@ -14,11 +14,17 @@ dynamic batching or DP size. Hence two phases:
    all-reduce of (-h_min, h_max, xi_max) over ``group`` (a plain torch.distributed group).
 2. ``modulate_advantages(..., scope=scope)`` per micro-batch.
 
-The per-token inputs (entropy, log pi_a, the vocabulary sum, the ratio) are those of the current parameters.
-Parameters do not change within a mini-batch (gradient accumulation), so a no-grad forward pass over the
-mini-batch (or, for its first mini-batch of an on-policy step, the old-log-prob pass, where r = 1) gives exactly
-the values the gradient pass will see. Min and max are exact in floating point, so the scope, and therefore
-A_final, are bit-identical for any micro-batch split.
+The per-token inputs of phase 2 (entropy, log pi_a, the vocabulary sum, the ratio) are those of the current
+parameters, from the forward that computes the token's loss (as in the paper). Where the scope of phase 1 comes
+from is the trainer's choice (``ModulationConfig.scope``): "current_policy" takes it from a no-grad forward over
+the mini-batch under the current parameters (exact: the same values the gradient pass sees; for the first
+mini-batch of an on-policy step the old-log-prob pass is that forward, since pi = pi_old there); "old_policy"
+takes every mini-batch's scope from the old-log-prob pass (no extra forward; exact for the first mini-batch, an
+approximation after the first update). So a token's H_t or Xi_t may fall outside its scope in "old_policy" mode:
+the normalised positions (H_max - H_t) / (H_max - H_min) and Xi_t / max Xi are clamped to [0, 1], which keeps
+beta_comp in [1, 1 + alpha] and beta_stab in [f(1), f(0)], the ranges of the paper's formulas, and changes
+nothing when the scope is exact. Min and max are exact in floating point, so the scope, and therefore A_final,
+are bit-identical for any micro-batch split.
 """
 
 from __future__ import annotations
@@ -80,7 +86,8 @@ def beta_comp(entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
         beta_comp = 1 + alpha (H_max - H_t) / (H_max - H_min)   where A_t > 0,      1 where A_t <= 0.
 
     ``h_min``/``h_max`` default to the range of ``entropy`` over ``mask`` (pass the mini-batch scope instead).
-    H_max == H_min (or an empty scope) gives 1 everywhere; tokens outside ``mask`` get 1. Detached.
+    H_max == H_min (or an empty scope) gives 1 everywhere; tokens outside ``mask`` get 1. An H_t outside the given
+    scope is clamped to it (module docstring). Detached.
     """
     with torch.no_grad():
         dtype = _compute_dtype(entropy)
@@ -96,7 +103,7 @@ def beta_comp(entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
         spread = h_max - h_min
         has_spread = spread > 0  # also False for the empty scope (-inf - inf)
         safe_spread = torch.where(has_spread, spread, torch.ones_like(spread)).to(dtype)
-        compensated = 1.0 + alpha * (h_max.to(dtype) - entropy) / safe_spread
+        compensated = 1.0 + alpha * ((h_max.to(dtype) - entropy) / safe_spread).clamp(0.0, 1.0)
         apply = (advantages > 0) & valid & has_spread
         return torch.where(apply, compensated, torch.ones_like(entropy))
 
@@ -107,7 +114,8 @@ def beta_stab(xi: torch.Tensor, xi_max: Any = None, gamma: float = 5.0, tau: flo
 
         beta_stab = f(Xi_t / max_j Xi_j),   f(x) = lambda_min + (1 - lambda_min) * sigmoid(-gamma (x - tau)).
 
-    ``xi_max`` defaults to ``xi.max()`` (pass the mini-batch scope instead); xi_max == 0 gives x = 0. Detached.
+    ``xi_max`` defaults to ``xi.max()`` (pass the mini-batch scope instead); xi_max == 0 gives x = 0; x is clamped
+    to [0, 1] (a Xi above the scope's max, module docstring). Detached.
     """
     with torch.no_grad():
         dtype = _compute_dtype(xi)
@@ -117,6 +125,7 @@ def beta_stab(xi: torch.Tensor, xi_max: Any = None, gamma: float = 5.0, tau: flo
         xi_max = torch.as_tensor(xi_max, device=xi.device).to(dtype)
         positive = xi_max > 0
         x = torch.where(positive, xi / torch.where(positive, xi_max, torch.ones_like(xi_max)), torch.zeros_like(xi))
+        x = x.clamp(0.0, 1.0)
         return lambda_min + (1.0 - lambda_min) * torch.sigmoid(-gamma * (x - tau))
 
 
@@ -247,6 +256,34 @@ def modulation_scope(batches: ModulationInputs | Sequence[ModulationInputs], cfg
     return ModulationScope(h_min=-packed[0], h_max=packed[1], xi_max=packed[2])
 
 
+@dataclass(frozen=True)
+class ModulationFactors:
+    """The two per-token factors of one batch (token shape, detached; 1 where a factor is off or a token is not
+    valid) and Delta H_t / eta (None when UMS is off)."""
+
+    beta_comp: torch.Tensor
+    beta_stab: torch.Tensor
+    delta_h: torch.Tensor | None
+
+
+def modulation_factors(inputs: ModulationInputs, cfg: ModulationConfig, scope: ModulationScope) -> ModulationFactors:
+    """beta_comp (eq. 3, if ``cfg.gc``) and beta_stab (eq. 4, if ``cfg.ums``) of every token of ``inputs`` under
+    ``scope``. ``inputs.advantages`` must be token-shaped."""
+    with torch.no_grad():
+        valid = inputs.mask.bool()
+        dtype = _compute_dtype(inputs.advantages, inputs.entropy, inputs.logp, inputs.sum_pi2_lambda)
+        ones = torch.ones_like(inputs.entropy, dtype=dtype)
+        compensation, stabilisation, delta_h = ones, ones, None
+        if cfg.gc:
+            compensation = beta_comp(inputs.entropy.to(dtype), inputs.advantages, valid, cfg.alpha, scope.h_min,
+                                     scope.h_max)
+        if cfg.ums:
+            delta_h = entropy_change(inputs, cfg).to(dtype)
+            stabilisation = beta_stab(delta_h.abs(), scope.xi_max, cfg.gamma, cfg.tau, cfg.lambda_min)
+            stabilisation = torch.where(valid, stabilisation, ones)
+        return ModulationFactors(compensation, stabilisation, delta_h)
+
+
 def modulate_advantages(advantages: torch.Tensor, entropy: torch.Tensor, logp: torch.Tensor | None,
                         sum_pi2_lambda: torch.Tensor | None, ratio: torch.Tensor | None,
                         clipped_mask: torch.Tensor | None, mask: torch.Tensor,
@@ -276,24 +313,19 @@ def modulate_advantages(advantages: torch.Tensor, entropy: torch.Tensor, logp: t
             scope = modulation_scope(inputs, cfg, group)
         valid = mask.bool()
         dtype = _compute_dtype(token_advantages, entropy, logp, sum_pi2_lambda)
-        ones = torch.ones_like(entropy, dtype=dtype)
         stats: dict[str, torch.Tensor] = {
             "modulation/h_min": scope.h_min, "modulation/h_max": scope.h_max, "modulation/xi_max": scope.xi_max,
             "modulation/num_tokens": valid.sum(),
         }
-        compensation = ones
+        factors = modulation_factors(inputs, cfg, scope)
+        compensation, stabilisation = factors.beta_comp, factors.beta_stab
         if cfg.gc:
-            compensation = beta_comp(entropy.to(dtype), token_advantages, valid, cfg.alpha, scope.h_min, scope.h_max)
             stats["modulation/beta_comp_mean_pos"] = masked_mean(compensation, valid & (token_advantages > 0))
-        stabilisation = ones
         if cfg.ums:
-            delta_h = entropy_change(inputs, cfg).to(dtype)
-            stabilisation = beta_stab(delta_h.abs(), scope.xi_max, cfg.gamma, cfg.tau, cfg.lambda_min)
-            stabilisation = torch.where(valid, stabilisation, ones)
             stats["modulation/beta_stab_mean"] = masked_mean(stabilisation, valid)
-            stats["modulation/beta_stab_min"] = torch.where(valid, stabilisation, ones).min() \
-                if stabilisation.numel() else ones.new_ones(())
-            stats["modulation/delta_h_mean"] = masked_mean(delta_h, valid)
+            stats["modulation/beta_stab_min"] = stabilisation.min() if stabilisation.numel() \
+                else torch.ones((), dtype=dtype, device=entropy.device)
+            stats["modulation/delta_h_mean"] = masked_mean(factors.delta_h, valid)
         scale = compensation * stabilisation
         stats["modulation/scale_mean"] = masked_mean(scale, valid)
         # The spread of the per-token factor beta_comp * beta_stab over this batch's valid tokens.
@@ -303,6 +335,7 @@ def modulate_advantages(advantages: torch.Tensor, entropy: torch.Tensor, logp: t
 
 
 __all__ = [
+    "ModulationFactors",
     "ModulationInputs",
     "ModulationScope",
     "beta_comp",
@@ -311,5 +344,6 @@ __all__ = [
     "delta_h_sequence_mean",
     "entropy_change",
     "modulate_advantages",
+    "modulation_factors",
     "modulation_scope",
 ]

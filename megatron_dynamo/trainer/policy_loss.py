@@ -1,12 +1,15 @@
 """The two loss functions the actor runs through Megatron's pipeline schedule during an RL step.
 
 - :func:`token_stats_fn` (forward only): per response token, log pi(a), entropy H and sum_j pi_j^2 Lambda_j from
-  the vocab-parallel logits, across TP shards in one pass. Used for the old log-probs (and the modulation scope
-  of the first mini-batch, where pi = pi_old) and for the scope pass of later mini-batches.
+  the vocab-parallel logits, across TP shards in one pass. Used for the old log-probs (and the modulation scopes
+  taken from them) and, with ``modulation.scope: current_policy``, for the scope pass of later mini-batches.
 - :func:`dynamo_loss_fn`: the PPO-clip loss on DynaMO-modulated advantages, normalised by the mini-batch's global
   denominator (see ``trainer/actor.py``).
 
-Both see only the response positions (``loss_mask``) of a micro-batch, flattened to [tokens, V/tp].
+Both see only the response positions (``loss_mask``) of a micro-batch. The model output they get is either the
+vocab-parallel logits (then only the response positions' rows are taken, in the model dtype: the routine
+accumulates in fp32 itself) or, with the fused output layer, the final hidden states and the output weight: then
+logits exist only chunk by chunk inside the routine (``parallel/token_stats.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import torch
 
 from megatron_dynamo.algorithms.config import ModulationConfig, PolicyLossConfig
 from megatron_dynamo.algorithms.losses import compute_actor_loss, policy_ratio, ppo_clip_mask
-from megatron_dynamo.algorithms.modulation import ModulationInputs, ModulationScope, modulate_advantages
-from megatron_dynamo.parallel.token_stats import TokenStats, vocab_parallel_token_stats
+from megatron_dynamo.algorithms.modulation import (ModulationInputs, ModulationScope, modulate_advantages,
+                                                   modulation_factors)
+from megatron_dynamo.parallel.token_stats import (TokenStats, fused_vocab_parallel_token_stats,
+                                                  vocab_parallel_token_stats)
+from megatron_dynamo.trainer.actor import OutputLayerInput
 
 
 def _tp_group():
@@ -30,18 +36,29 @@ def _tp_group():
 
 
 def response_positions(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bool mask of response positions ([B, S]) and, per flattened response token, its row (sequence) id."""
+    """The bool mask of response positions ([B, S], or [1, T] packed) and, per flattened response token, its
+    sequence id: its row, or in a packed micro-batch its ``token_row`` (the index of its sequence), so that
+    ``advantages[seq_ids]`` and per-sequence aggregation work alike for both layouts."""
     mask = micro_batch["loss_mask"].bool()
+    token_row = micro_batch.get("token_row")
+    if token_row is not None:
+        return mask, token_row[mask]
     seq_ids = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)[mask]
     return mask, seq_ids
 
 
-def response_token_stats(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor], temperature: float,
-                         chunk_size: int | None) -> tuple[TokenStats, torch.Tensor, torch.Tensor]:
-    """Token stats at the response positions, flattened; also the row (sequence) id and the mask of each token."""
+def response_token_stats(model_output: torch.Tensor | OutputLayerInput, micro_batch: dict[str, torch.Tensor],
+                         temperature: float, chunk_size: int | None) -> tuple[TokenStats, torch.Tensor, torch.Tensor]:
+    """Token stats at the response positions, flattened; also the sequence id and the mask of each token.
+    ``model_output``: the logits [B, S, V/tp] or the fused output layer's input (``trainer.actor.OutputLayerInput``)."""
     mask, seq_ids = response_positions(micro_batch)
-    stats = vocab_parallel_token_stats(logits[mask], micro_batch["labels"][mask], temperature, _tp_group(),
-                                       chunk_size)
+    targets = micro_batch["labels"][mask]
+    if isinstance(model_output, OutputLayerInput):
+        stats = fused_vocab_parallel_token_stats(
+            model_output.hidden[mask], model_output.weight, targets, temperature, _tp_group(), chunk_size,
+            allreduce_grad_hidden=not model_output.grad_reduced_by_gather)
+    else:
+        stats = vocab_parallel_token_stats(model_output[mask], targets, temperature, _tp_group(), chunk_size)
     return stats, seq_ids, mask
 
 
@@ -49,14 +66,14 @@ def token_stats_fn(temperature: float, chunk_size: int | None = None) -> Callabl
     """Forward-only loss function returning {"logp", "entropy", "sum_pi2_lambda"} as [B, S] tensors (0 off the
     response positions) and the micro-batch's sample indices."""
 
-    def loss_fn(logits, micro_batch):
-        stats, _, mask = response_token_stats(logits, micro_batch, temperature, chunk_size)
+    def loss_fn(model_output, micro_batch):
+        stats, _, mask = response_token_stats(model_output, micro_batch, temperature, chunk_size)
         out = {"sample_index": micro_batch["sample_index"]}
         for name in ("logp", "entropy", "sum_pi2_lambda"):
             full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
             full[mask] = getattr(stats, name).detach()
             out[name] = full
-        return logits.new_zeros(()), out
+        return stats.logp.new_zeros(()), out
 
     return loss_fn
 
@@ -78,13 +95,30 @@ def scope_inputs(micro_batch: dict[str, torch.Tensor], per_sample: dict[int, dic
                             seq_ids=seq_ids)
 
 
-def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, scope: ModulationScope | None,
-                   global_denominator: float, temperature: float, chunk_size: int | None = None) -> Callable:
-    """The actor loss of one micro-batch: token stats -> ratio and clip mask -> modulated advantages (with the
-    mini-batch-wide ``scope``) -> PPO clip aggregated over ``global_denominator``."""
+def scope_gap(trained, other) -> dict[str, torch.Tensor]:
+    """Per-token absolute differences of beta_comp and beta_stab between two ``ModulationFactors`` of the same
+    tokens: their sums and maxima, and the token count (``scope_gap/*``, reduced by the trainer)."""
+    out = {"scope_gap/num_tokens": torch.tensor(float(trained.beta_comp.numel()))}
+    for name in ("beta_comp", "beta_stab"):
+        gap = (getattr(trained, name) - getattr(other, name)).abs().double()
+        out[f"scope_gap/{name}_sum"] = gap.sum()
+        out[f"scope_gap/{name}_max"] = gap.max() if gap.numel() else gap.new_zeros(())
+    return out
 
-    def loss_fn(logits, micro_batch):
-        stats, seq_ids, mask = response_token_stats(logits, micro_batch, temperature, chunk_size)
+
+def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, scope: ModulationScope | None,
+                   global_denominator: float, temperature: float, chunk_size: int | None = None,
+                   compare_scope: ModulationScope | None = None) -> Callable:
+    """The actor loss of one micro-batch: token stats -> ratio and clip mask -> modulated advantages (with the
+    mini-batch-wide ``scope``) -> PPO clip aggregated over ``global_denominator``.
+
+    ``compare_scope`` (a diagnostic, nothing is trained with it): another scope of the same mini-batch (the
+    old-policy one, while training with the current-policy one); the metrics then carry the absolute differences
+    of beta_comp and beta_stab between the two, per token: ``scope_gap/{beta_comp,beta_stab}_{sum,max}`` over the
+    valid tokens, and ``scope_gap/num_tokens``."""
+
+    def loss_fn(model_output, micro_batch):
+        stats, seq_ids, mask = response_token_stats(model_output, micro_batch, temperature, chunk_size)
         old_logp = micro_batch["old_logp"][mask]
         advantages = micro_batch["advantages"][seq_ids]
         valid = torch.ones_like(old_logp, dtype=torch.bool)
@@ -94,6 +128,12 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
         final_advantages, modulation_stats = modulate_advantages(
             advantages, stats.entropy, logp.detach(), stats.sum_pi2_lambda, ratio, clipped, valid,
             seq_ids=seq_ids, cfg=modulation, scope=scope)
+        if compare_scope is not None and modulation.enabled:
+            inputs = ModulationInputs(advantages=advantages, entropy=stats.entropy, mask=valid, logp=logp.detach(),
+                                      sum_pi2_lambda=stats.sum_pi2_lambda, ratio=ratio, clipped_mask=clipped,
+                                      seq_ids=seq_ids)
+            modulation_stats.update(scope_gap(modulation_factors(inputs, modulation, scope),
+                                              modulation_factors(inputs, modulation, compare_scope)))
         output = compute_actor_loss(logp, old_logp, final_advantages, valid, loss_cfg,
                                     global_denominator=global_denominator, seq_ids=seq_ids)
         metrics = {k: v.detach().float() for k, v in {**output.metrics, **modulation_stats}.items()}

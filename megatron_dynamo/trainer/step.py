@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron_dynamo.algorithms.advantages import get_advantage_estimator
 from megatron_dynamo.algorithms.allocation import PromptHistory
 from megatron_dynamo.algorithms.modulation import modulation_scope
-from megatron_dynamo.trainer.batch import (Sample, gather_token_values, make_micro_batches, scatter_token_values,
+from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_token_values, make_micro_batches,
+                                           plan_token_micro_batches, resolve_pack_sequences, scatter_token_values,
                                            shard_for_rank, split_mini_batches)
 from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, token_stats_fn
 
@@ -260,21 +261,43 @@ class StepRunner:
     def micro_batches_for(self, samples: list[Sample]):
         """This data-parallel rank's share of ``samples`` (one optimizer step's worth) as micro-batches on the
         model's device. Every DP rank gets the same number of micro-batches (the largest share decides), so that
-        the ranks of a data-parallel group run matching schedules; a rank with no sample gets empty ones."""
+        the ranks of a data-parallel group run matching schedules; a rank with no sample gets empty ones.
+
+        ``trainer.micro_batch_tokens`` > 0: micro-batches of at most that many tokens, the samples balanced over
+        the DP ranks by tokens (``batch.plan_token_micro_batches``, the same plan on every rank); else
+        ``micro_batch_size`` sequences each. ``trainer.pack_sequences``: sequences packed into one row without
+        padding (``batch.packed_micro_batch``) or padded rows. The layout changes neither the loss nor the
+        gradients: every micro-batch's loss is divided by the mini-batch's global denominator."""
         ps = _parallel()
-        dp = ps.get_data_parallel_world_size()
-        largest_share = -(-len(samples) // dp)
-        num_micro = max(1, -(-largest_share // self.run.trainer.micro_batch_size))
-        shard = shard_for_rank(samples, ps.get_data_parallel_rank(), dp)
+        trainer = self.run.trainer
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        packed = resolve_pack_sequences(trainer.pack_sequences, getattr(self.actor, "use_te", False))
+        seq_multiple = self.actor.sequence_multiple
         # Only pipeline stages need every micro-batch to have the same shape; padding rows costs compute.
-        return make_micro_batches(shard, self.run.trainer.micro_batch_size, self.pad_token_id, num_micro,
-                                  fixed_shape=ps.get_pipeline_model_parallel_world_size() > 1,
-                                  device=self.actor.device, seq_multiple=self.actor.sequence_multiple)
+        fixed_shape = ps.get_pipeline_model_parallel_world_size() > 1
+        if trainer.micro_batch_tokens > 0:
+            groups = plan_token_micro_batches(samples, dp, trainer.micro_batch_tokens, packed=packed,
+                                              seq_multiple=seq_multiple)[dp_rank]
+            return build_micro_batches(groups, self.pad_token_id, fixed_shape=fixed_shape, device=self.actor.device,
+                                       seq_multiple=seq_multiple, packed=packed)
+        largest_share = -(-len(samples) // dp)
+        num_micro = max(1, -(-largest_share // trainer.micro_batch_size))
+        shard = shard_for_rank(samples, dp_rank, dp)
+        return make_micro_batches(shard, trainer.micro_batch_size, self.pad_token_id, num_micro,
+                                  fixed_shape=fixed_shape, device=self.actor.device, seq_multiple=seq_multiple,
+                                  packed=packed)
+
+    @property
+    def model_output(self) -> str:
+        """What the loss functions get from the model (``MegatronActor.forward_backward``): the final hidden states
+        with the output weight (``trainer.fused_output_layer``: logits only chunk by chunk at response positions),
+        else the logits in the model dtype."""
+        return "hidden" if self.run.trainer.fused_output_layer else "logits"
 
     def _token_stats(self, micro_batches) -> dict[int, dict[str, torch.Tensor]]:
         """Forward-only pass: per sample index, its response tokens' logp / entropy / sum_pi2_lambda (last stage)."""
         fn = token_stats_fn(self.run.rollout.temperature, self.run.dynamo.token_stats_chunk)
-        results = self.actor.forward_backward(micro_batches, fn, forward_only=True)
+        results = self.actor.forward_backward(micro_batches, fn, forward_only=True, output=self.model_output)
         per_sample: dict[int, dict[str, torch.Tensor]] = {}
         for mb, out in zip(micro_batches, results):
             for name in ("logp", "entropy", "sum_pi2_lambda"):
@@ -303,23 +326,34 @@ class StepRunner:
             local["entropy_mean"] = (float(entropies.sum()), float(entropies.numel()))
         modulation = run.dynamo.modulation
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
+        # Every mini-batch's modulation scope (H_min, H_max, max Xi over its tokens and the DP group) under the old
+        # policy, from the old-log-prob pass: no extra forward. It is the exact scope of the first mini-batch
+        # (pi = pi_old before the first update) and, with modulation.scope: old_policy, the one used for all.
+        old_scopes = [None] * len(plans)
+        if modulation.enabled:
+            with timer("modulation_scope"):
+                if last_stage:
+                    old_scopes = [modulation_scope([scope_inputs(mb, old, run.dynamo.loss) for mb in micro],
+                                                   modulation, group=dp_group) for _, micro in plans]
+        current_policy = modulation.enabled and modulation.scope == "current_policy"
+        scope_gaps: list[tuple[int, int, dict[str, float]]] = []  # (epoch, mini-batch, sums/maxima), diagnostics
         grad_norms, skipped, optimizer_steps = [], [], 0
         for epoch in range(run.trainer.ppo_epochs):
             for index, (mini, micro) in enumerate(plans):
-                scope = None
-                if modulation.enabled:
+                scope = old_scopes[index]
+                if current_policy and (epoch, index) != (0, 0):
                     with timer("modulation_scope"):
-                        # Before the first update pi = pi_old, so the old-log-prob pass is this mini-batch's scope
-                        # pass; later mini-batches need a forward under the current weights (on every stage).
-                        stats = old if epoch == 0 and index == 0 else self._token_stats(micro)
+                        # The exact two-pass form: a no-grad forward under the current weights (on every stage).
+                        stats = self._token_stats(micro)
                         if last_stage:
                             inputs = [scope_inputs(mb, stats, run.dynamo.loss) for mb in micro]
                             scope = modulation_scope(inputs, modulation, group=dp_group)
                 denominator = _global_denominator(mini, run.dynamo.loss.loss_agg_mode)
                 loss_fn = dynamo_loss_fn(modulation, run.dynamo.loss, scope, denominator, run.rollout.temperature,
-                                         run.dynamo.token_stats_chunk)
+                                         run.dynamo.token_stats_chunk,
+                                         compare_scope=old_scopes[index] if current_policy else None)
                 with timer("train"):
-                    results = self.actor.forward_backward(micro, loss_fn)
+                    results = self.actor.forward_backward(micro, loss_fn, output=self.model_output)
                     loss = sum(float(r["loss"]) for r in results)
                     finite = torch.tensor([1.0 if math.isfinite(loss) else 0.0], device=self.actor.device)
                     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -335,6 +369,8 @@ class StepRunner:
                         optimizer_steps += 1
                         if result.grad_norm is not None:
                             grad_norms.append(result.grad_norm)
+                if current_policy and _is_metric_rank():
+                    scope_gaps.append((epoch, index, _sum_scope_gaps(results)))
                 if _is_metric_rank():
                     for r in results:
                         n = float(r.get("actor/num_tokens", 0.0))
@@ -350,6 +386,8 @@ class StepRunner:
         if not _is_metric_rank():
             local = {}
         metrics = _collect_metric_sums(local)
+        if current_policy:
+            metrics.update(_reduce_scope_gaps(scope_gaps))
         metrics["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
         metrics["optimizer_steps"] = optimizer_steps
         if skipped:
@@ -410,6 +448,42 @@ def _sum_reward_stats(stats) -> dict[str, float]:
     for key, value in zip(summed, values[len(REWARD_REASONS):]):
         setattr(total, key, int(value))
     return total.as_metrics()
+
+
+def _sum_scope_gaps(results: list[dict[str, Any]]) -> dict[str, float]:
+    """This rank's scope-gap sums and maxima over a mini-batch's micro-batches (``policy_loss.scope_gap``)."""
+    out = {"num_tokens": 0.0, "beta_comp_sum": 0.0, "beta_stab_sum": 0.0, "beta_comp_max": 0.0,
+           "beta_stab_max": 0.0}
+    for r in results:
+        for key in out:
+            value = float(r.get(f"scope_gap/{key}", 0.0))
+            out[key] = max(out[key], value) if key.endswith("_max") else out[key] + value
+    return out
+
+
+def _reduce_scope_gaps(local: list[tuple[int, int, dict[str, float]]]) -> dict[str, Any]:
+    """Collective: how far beta_comp and beta_stab under the old-policy scope are from those under the exact
+    (current-policy) scope, over the metric ranks (summed over DP, max of maxima): per step
+    ``modulation/scope_gap_{beta_comp,beta_stab}_{max,mean}`` (per token, over all mini-batches) and
+    ``modulation/scope_gap_by_mini_batch``, one [beta_comp max, beta_comp mean, beta_stab max, beta_stab mean]
+    per (epoch, mini-batch) in training order."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local if _is_metric_rank() else [])
+    merged: dict[tuple[int, int], dict[str, float]] = {}
+    for part in gathered:
+        for epoch, index, gap in part or []:
+            acc = merged.setdefault((epoch, index), dict.fromkeys(gap, 0.0))
+            for key, value in gap.items():
+                acc[key] = max(acc[key], value) if key.endswith("_max") else acc[key] + value
+    rows = [merged[k] for k in sorted(merged)]
+    tokens = sum(r["num_tokens"] for r in rows)
+    out: dict[str, Any] = {"modulation/scope_gap_by_mini_batch": [
+        [r["beta_comp_max"], r["beta_comp_sum"] / max(r["num_tokens"], 1.0), r["beta_stab_max"],
+         r["beta_stab_sum"] / max(r["num_tokens"], 1.0)] for r in rows]}
+    for name in ("beta_comp", "beta_stab"):
+        out[f"modulation/scope_gap_{name}_max"] = max((r[f"{name}_max"] for r in rows), default=0.0)
+        out[f"modulation/scope_gap_{name}_mean"] = sum(r[f"{name}_sum"] for r in rows) / max(tokens, 1.0)
+    return out
 
 
 def _global_denominator(mini_batch: list[Sample], mode: str) -> float:

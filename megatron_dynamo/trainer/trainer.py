@@ -225,7 +225,7 @@ class Trainer:
             chosen = [samples[i] for i in order]
             denominator = float(sum(s.num_response_tokens for s in chosen))
             micro = self.runner.micro_batches_for(chosen)
-            results = self.actor.forward_backward(micro, _sft_loss_fn(denominator))
+            results = self.actor.forward_backward(micro, _sft_loss_fn(denominator), output=self.runner.model_output)
             self.actor.optimizer_step()
             from megatron.core import parallel_state
 
@@ -409,8 +409,8 @@ class Trainer:
 def _sft_loss_fn(denominator: float):
     from megatron_dynamo.trainer.policy_loss import response_token_stats
 
-    def loss_fn(logits, micro_batch):
-        stats, _, _ = response_token_stats(logits, micro_batch, 1.0, None)
+    def loss_fn(model_output, micro_batch):
+        stats, _, _ = response_token_stats(model_output, micro_batch, 1.0, None)
         loss = -stats.logp.sum() / denominator
         return loss, {"loss": loss.detach()}
 
