@@ -231,8 +231,9 @@ class MegatronActor:
             if position_ids is None:
                 ids = mb["input_ids"]
                 position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            attention = packed_model_inputs(mb, self.use_te)  # mask / packed_seq_params: padded or packed
             with _output_layer_bypassed(model, output == "hidden") as bypassed:
-                model_output = model(mb["input_ids"], position_ids, **packed_model_inputs(mb, self.use_te), **output_kwargs)
+                model_output = model(mb["input_ids"], position_ids, **attention, **output_kwargs)
             if bypassed:
                 model_output = OutputLayerInput(model_output, *bypassed)
             return model_output, functools.partial(_schedule_loss, loss_fn, mb)

@@ -2,8 +2,11 @@
 
 Every sample carries its prompt id from generation to here; nothing is aligned by position. A step's samples are
 split into mini-batches by prompt (all responses of ``mini_batch_prompts`` prompts make one optimizer step), a
-mini-batch's samples over the data-parallel ranks, and a rank's share into micro-batches of equal shape (padded
-with empty rows, mask 0, because pipeline stages exchange fixed-shape activations).
+mini-batch's samples over the data-parallel ranks, and a rank's share into micro-batches: ``micro_batch_size``
+sequences each, or (``trainer.micro_batch_tokens``) bins of at most that many tokens, balanced over the ranks by
+tokens (:func:`plan_token_micro_batches`). A micro-batch is padded ([B, S] rows) or packed (one row, the sequences
+back to back, no padding: :func:`packed_micro_batch`). Under pipeline parallelism all micro-batches of a rank get one
+shape (padded with empty rows, mask 0), because pipeline stages exchange fixed-shape activations.
 
 Token layout of one sequence (prompt p_0..p_{P-1}, response r_0..r_{R-1}):
     input_ids  = p_0 .. p_{P-1} r_0 .. r_{R-2}
@@ -56,65 +59,225 @@ def response_token_count(samples: list[Sample]) -> int:
     return sum(s.num_response_tokens for s in samples)
 
 
+def sequence_length(sample: Sample) -> int:
+    """Tokens the model processes for ``sample``: prompt + response - 1 (the last token is only a label)."""
+    return len(sample.prompt_tokens) + len(sample.response_tokens) - 1
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def resolve_pack_sequences(setting: bool | str, use_te: bool) -> bool:
+    """``trainer.pack_sequences``: "auto" packs where the layer spec has variable-length attention (Transformer
+    Engine, THD); on the local spec packing costs more than it saves on CPU (docs: README, trainer keys), so
+    "auto" pads there. True packs on either spec (the local spec gets a block-diagonal causal mask)."""
+    if setting == "auto":
+        return bool(use_te)
+    return bool(setting)
+
+
+def micro_batch_cost(lengths: list[int], packed: bool, seq_multiple: int = 1) -> int:
+    """Tokens a micro-batch of sequences of ``lengths`` occupies: their sum packed, rows x the longest padded
+    (both rounded up to ``seq_multiple``)."""
+    if not lengths:
+        return 0
+    if packed:
+        return _round_up(sum(lengths), seq_multiple)
+    return len(lengths) * _round_up(max(lengths), seq_multiple)
+
+
+def balance_over_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
+    """Indices of ``lengths`` per rank, balanced by tokens: longest first (ties: lower index), each to the rank
+    with the fewest tokens so far (ties: lower rank). Deterministic, so every rank computes the same split alone.
+    The heaviest rank exceeds the lightest by at most the longest sequence."""
+    loads = [0] * num_ranks
+    shares: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
+        shares[rank].append(i)
+        loads[rank] += lengths[i]
+    return shares
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int, packed: bool = False,
+                       seq_multiple: int = 1) -> list[list[int]]:
+    """Bin sequence indices into micro-batches of at most ``max_tokens`` tokens (:func:`micro_batch_cost`); a
+    sequence over the budget alone gets a micro-batch of its own. Sequences are taken longest first, so similar
+    lengths share a micro-batch (little padding): padded micro-batches are consecutive runs of that order (a new
+    one starts when the next sequence does not fit); packed ones are filled first-fit (no padding to waste, so the
+    fewest micro-batches). Deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    if not packed:
+        for i in order:
+            if bins and micro_batch_cost([lengths[j] for j in bins[-1]] + [lengths[i]], False,
+                                         seq_multiple) <= max_tokens:
+                bins[-1].append(i)
+            else:
+                bins.append([i])
+        return bins
+    used: list[int] = []
+    for i in order:
+        for b, total in enumerate(used):
+            if _round_up(total + lengths[i], seq_multiple) <= max_tokens:
+                bins[b].append(i)
+                used[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            used.append(lengths[i])
+    return bins
+
+
+def plan_token_micro_batches(samples: list[Sample], num_ranks: int, max_tokens: int, packed: bool = False,
+                             seq_multiple: int = 1) -> list[list[list[Sample]]]:
+    """A mini-batch's dynamic micro-batches (``trainer.micro_batch_tokens``): per data-parallel rank, its
+    micro-batches as lists of samples. The samples are split over the ranks balanced by tokens
+    (:func:`balance_over_ranks`), each rank's share binned by :func:`plan_micro_batches`; every rank gets the same
+    number of micro-batches (the largest count; the others end with empty ones). Every rank holds all samples
+    of the step, so each computes this plan alone and takes its own part."""
+    lengths = [sequence_length(s) for s in samples]
+    plan = []
+    for share in balance_over_ranks(lengths, num_ranks):
+        bins = plan_micro_batches([lengths[i] for i in share], max_tokens, packed, seq_multiple)
+        plan.append([[samples[share[j]] for j in b] for b in bins])
+    count = max(1, max(len(p) for p in plan))
+    return [p + [[] for _ in range(count - len(p))] for p in plan]
+
+
 def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_token_id: int,
                        num_micro_batches: int | None = None, fixed_shape: bool = True,
-                       device: torch.device | str = "cpu", seq_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
-    """Pack samples into micro-batches of ``micro_batch_size`` rows.
+                       device: torch.device | str = "cpu", seq_multiple: int = 1,
+                       packed: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Split samples into micro-batches of ``micro_batch_size`` sequences (:func:`build_micro_batches`).
 
     ``fixed_shape`` (needed with pipeline parallelism, whose stages exchange fixed-shape activations) pads the
     last micro-batch with empty rows; without it the last one is just shorter. ``num_micro_batches`` forces a
-    count (padding with all-empty micro-batches) so that every rank of a pipeline runs the same schedule. Each micro-batch holds ``input_ids``, ``labels``, ``loss_mask``
-    ([B, S]), ``advantages`` and ``sample_index`` ([B]; -1 for padding rows), on ``device`` (built on the CPU, moved
-    once). S is the longest sequence rounded up to a multiple of ``seq_multiple`` (sequence parallelism splits S
-    over the TP ranks).
+    count (padding with all-empty micro-batches) so that every rank of a pipeline runs the same schedule. Padded
+    micro-batches all have the longest sequence's length S, as before token budgets existed.
     """
     count = max(1, -(-len(samples) // micro_batch_size))
     if num_micro_batches is not None:
         if num_micro_batches < count:
             raise ValueError(f"{len(samples)} samples need {count} micro-batches, {num_micro_batches} requested")
         count = num_micro_batches
-    seq_len = max([len(s.prompt_tokens) + len(s.response_tokens) - 1 for s in samples] or [1])
-    seq_len = -(-seq_len // seq_multiple) * seq_multiple
-    micro_batches = []
-    for m in range(count):
-        rows = samples[m * micro_batch_size:(m + 1) * micro_batch_size]
-        size = micro_batch_size if fixed_shape or not rows else len(rows)
-        input_ids = torch.full((size, seq_len), pad_token_id, dtype=torch.long)
-        labels = torch.full((size, seq_len), pad_token_id, dtype=torch.long)
-        loss_mask = torch.zeros((size, seq_len), dtype=torch.float32)
-        advantages = torch.zeros(size, dtype=torch.float32)
-        sample_index = torch.full((size,), -1, dtype=torch.long)
-        for row, sample in enumerate(rows):
-            tokens = torch.tensor(sample.prompt_tokens + sample.response_tokens, dtype=torch.long)
-            n = tokens.numel() - 1
-            input_ids[row, :n] = tokens[:-1]
-            labels[row, :n] = tokens[1:]
-            prompt_len = len(sample.prompt_tokens)
-            loss_mask[row, prompt_len - 1:n] = 1.0
-            advantages[row] = sample.advantage
-            sample_index[row] = sample.index
-        batch = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "advantages": advantages,
-                 "sample_index": sample_index}
-        micro_batches.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
-    return micro_batches
+    groups = [samples[m * micro_batch_size:(m + 1) * micro_batch_size] for m in range(count)]
+    return build_micro_batches(groups, pad_token_id, fixed_shape=fixed_shape, device=device,
+                               seq_multiple=seq_multiple, packed=packed, rows=micro_batch_size, common_seq_len=True)
+
+
+def build_micro_batches(groups: list[list[Sample]], pad_token_id: int, fixed_shape: bool = True,
+                        device: torch.device | str = "cpu", seq_multiple: int = 1, packed: bool = False,
+                        rows: int | None = None, common_seq_len: bool = False) -> list[dict[str, torch.Tensor]]:
+    """One micro-batch per group of samples, built on the CPU and moved to ``device`` once.
+
+    Padded (``packed=False``): ``input_ids``, ``labels``, ``loss_mask`` [B, S], ``advantages`` and
+    ``sample_index`` [B] (-1 for empty rows). S is the group's longest sequence rounded up to ``seq_multiple``
+    (sequence parallelism splits S over the TP ranks), or the longest of all groups with ``common_seq_len``; B the
+    group's size, ``rows`` for an empty group. With ``fixed_shape`` every micro-batch gets the same shape: ``rows``
+    (else the largest group) rows and the longest sequence of all groups.
+
+    Packed: the group's sequences one after the other in a single row (:func:`packed_micro_batch`); with
+    ``fixed_shape`` all of the same length T (the padding tail is a segment of its own).
+    """
+    lengths = [[sequence_length(s) for s in g] for g in groups]
+    longest = max([max(ls) for ls in lengths if ls] or [1])
+    if packed:
+        total = max(sum(ls) for ls in lengths) if fixed_shape else None
+        batches = [packed_micro_batch(g, pad_token_id, seq_multiple, total) for g in groups]
+    else:
+        num_rows = max([rows or 1] + [len(g) for g in groups]) if fixed_shape else None
+        batches = []
+        for g, ls in zip(groups, lengths):
+            seq_len = longest if fixed_shape or common_seq_len else max(ls or [1])
+            size = num_rows if fixed_shape else (len(g) or rows or 1)
+            batches.append(padded_micro_batch(g, pad_token_id, size, _round_up(seq_len, seq_multiple)))
+    return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in batches]
+
+
+def padded_micro_batch(samples: list[Sample], pad_token_id: int, num_rows: int,
+                       seq_len: int) -> dict[str, torch.Tensor]:
+    """``samples`` as the rows of [num_rows, seq_len] tensors (see the module docstring for the token layout)."""
+    input_ids = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
+    labels = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((num_rows, seq_len), dtype=torch.float32)
+    advantages = torch.zeros(num_rows, dtype=torch.float32)
+    sample_index = torch.full((num_rows,), -1, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        tokens = torch.tensor(sample.prompt_tokens + sample.response_tokens, dtype=torch.long)
+        n = tokens.numel() - 1
+        input_ids[row, :n] = tokens[:-1]
+        labels[row, :n] = tokens[1:]
+        loss_mask[row, len(sample.prompt_tokens) - 1:n] = 1.0
+        advantages[row] = sample.advantage
+        sample_index[row] = sample.index
+    return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "advantages": advantages,
+            "sample_index": sample_index}
+
+
+def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: int = 1,
+                       length: int | None = None) -> dict[str, torch.Tensor]:
+    """``samples`` packed without padding into one row of T tokens: T is their total length (at least
+    ``length``, at least 1) rounded up to ``seq_multiple``; a padding tail forms a segment of its own.
+
+    ``input_ids``, ``labels``, ``loss_mask``, ``position_ids`` (restarting at 0 for every sequence) and
+    ``token_row`` (the index 0..n-1 of each token's sequence, -1 on the padding tail) are [1, T]; ``cu_seqlens``
+    (int32, [n+1], or [n+2] with a padding tail) the cumulative sequence lengths; ``advantages`` [n] and
+    ``sample_index`` [n] one per sequence.
+    """
+    lengths = [sequence_length(s) for s in samples]
+    used = sum(lengths)
+    total = _round_up(max(used, length or 0, 1), seq_multiple)
+    input_ids = torch.full((1, total), pad_token_id, dtype=torch.long)
+    labels = torch.full((1, total), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((1, total), dtype=torch.float32)
+    position_ids = torch.zeros((1, total), dtype=torch.long)
+    token_row = torch.full((1, total), -1, dtype=torch.long)
+    cu_seqlens = [0]
+    for i, (sample, n) in enumerate(zip(samples, lengths)):
+        start = cu_seqlens[-1]
+        tokens = torch.tensor(sample.prompt_tokens + sample.response_tokens, dtype=torch.long)
+        input_ids[0, start:start + n] = tokens[:-1]
+        labels[0, start:start + n] = tokens[1:]
+        loss_mask[0, start + len(sample.prompt_tokens) - 1:start + n] = 1.0
+        position_ids[0, start:start + n] = torch.arange(n)
+        token_row[0, start:start + n] = i
+        cu_seqlens.append(start + n)
+    if total > used:
+        position_ids[0, used:] = torch.arange(total - used)
+        cu_seqlens.append(total)
+    return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+            "token_row": token_row, "cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.int32),
+            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+            "sample_index": torch.tensor([s.index for s in samples], dtype=torch.long)}
+
+
+def _response_positions(micro_batch: dict[str, torch.Tensor]) -> list[tuple[int, tuple]]:
+    """(sample index, index into the [B, S] / [1, T] tensors of its response positions) per real sequence."""
+    mask = micro_batch["loss_mask"].bool()
+    out = []
+    token_row = micro_batch.get("token_row")
+    for row, index in enumerate(micro_batch["sample_index"].tolist()):
+        if index < 0:
+            continue
+        if token_row is None:
+            out.append((index, (row, mask[row].nonzero().squeeze(-1))))
+        else:
+            out.append((index, (0, (mask[0] & (token_row[0] == row)).nonzero().squeeze(-1))))
+    return out
 
 
 def scatter_token_values(micro_batch: dict[str, torch.Tensor], values: dict[int, torch.Tensor],
                          name: str) -> None:
     """Put per-sample token values (e.g. old log-probs, [R] per sample) at the response positions of a
-    micro-batch as ``micro_batch[name]`` ([B, S], 0 elsewhere)."""
+    micro-batch as ``micro_batch[name]`` (shaped like ``loss_mask``: [B, S], or [1, T] packed; 0 elsewhere)."""
     out = torch.zeros_like(micro_batch["loss_mask"])
-    for row, index in enumerate(micro_batch["sample_index"].tolist()):
-        if index >= 0:
-            positions = micro_batch["loss_mask"][row].nonzero().squeeze(-1)
-            out[row, positions] = values[index].to(out.dtype)
+    for index, position in _response_positions(micro_batch):
+        out[position] = values[index].to(out.dtype)
     micro_batch[name] = out
 
 
 def gather_token_values(micro_batch: dict[str, torch.Tensor], token_values: torch.Tensor) -> dict[int, torch.Tensor]:
     """Inverse of :func:`scatter_token_values`: ``{sample index: values at its response positions}``."""
-    out = {}
-    for row, index in enumerate(micro_batch["sample_index"].tolist()):
-        if index >= 0:
-            out[index] = token_values[row][micro_batch["loss_mask"][row].bool()].detach()
-    return out
+    return {index: token_values[position].detach() for index, position in _response_positions(micro_batch)}
