@@ -57,8 +57,9 @@ mini-batches (split by prompts) hold unequal numbers of responses, and with trai
 trainer pads every micro-batch to micro_batch_size rows, so an uneven split can cost a whole padded micro-batch in
 the old-log-prob and training passes (it does on the CPU default: 5 micro-batches of 64 rows instead of 4).
 On a tiny model the model passes are cheap, so fixed per-step costs of DynaMO weigh more than they would on a 7B
-model: for the paper shape use a larger model, e.g. model.config=configs/models/bench-qwen2-100m.json (101M
-parameters, the character tokenizer's 128-entry vocabulary; see benchmarks/RESULTS.md for the command). Note that
+model: for the paper shape use a larger model, model.config=configs/models/bench-qwen2-30m.json (31M parameters,
+hidden 512, 8 layers) or bench-qwen2-100m.json (102M, hidden 768, 12 layers), both with the character tokenizer's
+128-entry vocabulary (see benchmarks/RESULTS.md for the command and why 31M on the 2-core machine). Note that
 this code's GRPO path computes the entropy and sum_j pi_j^2 Lambda_j statistics in its old-log-prob and training
 passes too (one routine for both), so the baseline is "this trainer with DynaMO off", not a GRPO that only
 computes log-probs.
@@ -248,6 +249,11 @@ def format_report(measured, args, base) -> str:
     return "\n".join(lines)
 
 
+def _write_json(path, measured):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({f"{layout} / {variant}": runs for (layout, variant), runs in measured.items()}, f, indent=1)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides (all configurations)")
@@ -271,7 +277,8 @@ def main(argv=None) -> int:
                              "dynamo train). On the 2-core machine 2 threads give the same wall time for this tiny "
                              "model but OpenMP threads spin while the other core is busy, so both clocks then swing "
                              "with the load of other work")
-    parser.add_argument("--json", default=None, help="also write every timed step's metrics to this JSON file")
+    parser.add_argument("--json", default=None,
+                        help="also write every timed step's metrics to this JSON file (rewritten after every round)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the ± needs two rounds)")
@@ -341,14 +348,14 @@ def main(argv=None) -> int:
                     measured[key].append(metrics)
             label = "warm-up round" if round_index == 0 else f"round {round_index}/{args.steps}"
             print(f"{label} done ({time.perf_counter() - started:.0f}s)", flush=True)
+            if args.json and round_index > 0:  # kept round by round: a run stopped early keeps its rounds
+                _write_json(args.json, measured)
     finally:
         trainer.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({f"{layout} / {variant}": runs for (layout, variant), runs in measured.items()}, f,
-                      indent=1)
+        _write_json(args.json, measured)
     print()
     print(format_report(measured, args, base))
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
