@@ -404,9 +404,16 @@ def test_tp2_pp2_and_dp2_runs_match_tp1(uninterrupted, tmp_path):
     common = ["trainer.steps=2", "trainer.sft_warmup_steps=0", "checkpoint.every=100", "logging.tensorboard=false",
               "logging.rollouts=true", f"model.checkpoint={uninterrupted[0] / 'hf'}"]
     # tp1 and dp2 also evaluate during training: on two engines, the problems split over them, the same samples.
-    layouts = {"tp1": _eval_args(tmp_path / "tp1"), "tp2": ["parallel.tensor_parallel=2"],
-               "pp2": ["parallel.pipeline_parallel=2"], "dp2": ["--nproc", "2", *_eval_args(tmp_path / "dp2")],
-               "tp2_rollout_tp2": ["parallel.tensor_parallel=2", "rollout.tensor_parallel=2"]}
+    # The micro-batch layout must not change the update either (losses carry the mini-batch's global denominator):
+    # tp1 runs the CPU default's 64 sequences per micro-batch, the others one sequence, a token budget (padded,
+    # samples balanced over the DP ranks by tokens; under PP one shape for all micro-batches) or packed sequences
+    # on the local spec (block-diagonal mask; under PP the padding tail as a segment of its own).
+    layouts = {"tp1": _eval_args(tmp_path / "tp1"),
+               "tp2": ["parallel.tensor_parallel=2", "trainer.micro_batch_size=1"],
+               "pp2": ["parallel.pipeline_parallel=2", "trainer.pack_sequences=true", "trainer.micro_batch_tokens=96"],
+               "dp2": ["--nproc", "2", *_eval_args(tmp_path / "dp2"), "trainer.micro_batch_tokens=64"],
+               "tp2_rollout_tp2": ["parallel.tensor_parallel=2", "rollout.tensor_parallel=2",
+                                   "trainer.pack_sequences=true", "trainer.micro_batch_size=5"]}
     runs = {name: _train(tmp_path / name, *common, *extra)[0] for name, extra in layouts.items()}
     rollouts = {name: (tmp_path / name / "rollouts.jsonl").read_text() for name in layouts}
     for step in ("step_000000", "step_000002"):
