@@ -22,9 +22,9 @@ same run. Variants whose resolved settings coincide (on the CPU "fused" is "dyna
 local spec) run once and share a row.
 
 The samples: a DRA-like batch, prompts with 4..12 responses each (the allocator's range), prompt lengths uniform in
---prompt-tokens, response lengths log-normal (median about half the mean) scaled to --tokens response tokens in
-all and capped at --max-response (a few truncated responses, as in RL on math); random tokens, random group
-advantages. The same samples in every variant. --mini-batches PPO mini-batches (optimizer steps) split by prompt.
+--prompt-tokens, response lengths log-normal (sigma 0.9: the median about two thirds of the mean, the longest a few
+times the mean) scaled to --tokens response tokens in all and capped at --max-response; at least --responses
+responses; random tokens, random group advantages. The same samples in every variant. --mini-batches PPO mini-batches (optimizer steps) split by prompt.
 
 Each variant runs in a fresh process (one measurement cannot inherit another's heap): model and optimizer built,
 one small warm-up update (Adam's state allocated, kernels loaded), then --repeats measured updates.
