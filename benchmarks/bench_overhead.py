@@ -188,6 +188,18 @@ def _summary_lines(measured, clock):
         lines.append(f"{layout:<17}{variant:<11}{mean(d) / base_mean:>15.3f}{median(d) / base_median:>18.3f}"
                      f"{mean(diff):>+12.3f}s ({pct:+5.1f}% ± {pct_sem:4.1f}%)"
                      f"{median(diff):>+12.3f}s ({100 * median(diff) / base_median:+5.1f}%){with_reward:>25.3f}")
+    # The configurations sample different responses (DRA's counts, the seeds): their lengths differ from step to step
+    # (a geometric length mix of 64 responses: ~10% per step), and the model passes scale with them.
+    lines += ["The same per generated token (non-gen / (rollouts x mean response tokens); the model passes scale with "
+              "the tokens, padding aside):",
+              f"{'configuration':<17}{'variant':<11}{'ms/token GRPO':>15}{'ms/token DynaMO':>17}{'ratio of means':>16}"
+              f"{'ratio of medians':>18}"]
+    for layout, variant in _pairs(measured):
+        per = {v: [1000 * non_generation(m, clock) / max(1.0, m.get("rollouts", 0) * m.get("response_length_mean", 0))
+                   for m in measured[(layout, v)]] for v in ("grpo", variant)}
+        g, d = per["grpo"], per[variant]
+        lines.append(f"{layout:<17}{variant:<11}{mean(g):>15.3f}{mean(d):>17.3f}{mean(d) / mean(g):>16.3f}"
+                     f"{median(d) / median(g):>18.3f}")
     return lines
 
 
