@@ -72,6 +72,7 @@ computes log-probs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -293,6 +294,10 @@ def main(argv=None) -> int:
                              "dynamo train). On the 2-core machine 2 threads give the same wall time for this tiny "
                              "model but OpenMP threads spin while the other core is busy, so both clocks then swing "
                              "with the load of other work")
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="every response exactly rollout.max_response_tokens long (EOS and stop ids ignored), so "
+                             "that all configurations train on the same number of tokens and only their own work "
+                             "differs (a model under training samples different lengths per configuration)")
     parser.add_argument("--json", default=None,
                         help="also write every timed step's metrics to this JSON file (rewritten after every round)")
     args = parser.parse_args(argv)
@@ -339,6 +344,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     last_timer = install_cpu_stage_timer()
     trainer = Trainer(configs[next(k for k in keys if k[1] != "grpo")])
+    if args.fixed_length:
+        trainer.runner.sampling = dataclasses.replace(trainer.runner.sampling, ignore_eos=True, stop_token_ids=(),
+                                                      min_tokens=trainer.runner.sampling.max_tokens)
     args.threads = torch.get_num_threads()
     measured = {k: [] for k in keys}
     started = time.perf_counter()  # after the trainer is built: "total" is warm-up plus steps

@@ -50,7 +50,6 @@ import gc
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -63,37 +62,8 @@ VARIANTS = ("unfused", "fused", "padded", "dynamic", "packed")
 QWEN_VOCAB = 151936
 
 
-# ------------------------------------------------------------------------------------------------ memory probes
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_kib("VmHWM") is not None
-    except OSError:
-        return False
-
-
-def _peak_rss_bytes(hwm: bool) -> int:
-    if hwm:
-        return _status_kib("VmHWM") * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; never reset
+# The peak-memory probes of the token-stats benchmark (VmHWM reset through /proc/self/clear_refs; its docstring).
+from bench_token_stats import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ the batch
