@@ -314,10 +314,11 @@ class StepRunner:
             old = {}
             for _, micro in plans:
                 old.update(self._token_stats(micro))
+            old_logp = {i: v["logp"] for i, v in old.items()}
             for _, micro in plans:
                 for mb in micro:
                     if last_stage:
-                        scatter_token_values(mb, {i: v["logp"] for i, v in old.items()}, "old_logp")
+                        scatter_token_values(mb, old_logp, "old_logp")
                     else:
                         mb["old_logp"] = torch.zeros_like(mb["loss_mask"])
         local: dict[str, tuple[float, float]] = {}
