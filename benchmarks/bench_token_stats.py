@@ -78,6 +78,29 @@ def _peak_rss_bytes(hwm: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; never reset
 
 
+def start_peak_window(cuda: bool) -> tuple[int, bool, int]:
+    """Start measuring peak memory from now (module docstring): (base, hwm, peak so far). ``base`` is the memory in
+    use (CUDA: allocated; CPU: resident); ``hwm`` whether the CPU peak mark could be reset to it; ``peak so far``
+    above ``base`` means the CPU peak could not be reset and a later reading is only a lower bound."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        return base, False, base
+    base = _rss_bytes()
+    hwm = _reset_peak_rss()
+    return base, hwm, _peak_rss_bytes(hwm)
+
+
+def read_peak(cuda: bool, hwm: bool) -> int:
+    """The peak since :func:`start_peak_window` (CUDA: allocated bytes; CPU: resident bytes)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes(hwm)
+
+
 def _plain_stats(logits: torch.Tensor, target: torch.Tensor, temperature: float):
     z = logits.float()
     if temperature != 1.0:
@@ -147,16 +170,7 @@ def _worker(cfg: dict) -> dict:
     inputs = _make_inputs(cfg["tokens"], cfg["vocab"], cfg["hidden"], dtype, device, cfg["no_output_layer"])
     step = _make_step(cfg["variant"], inputs, cfg["temperature"], chunk)
     gc.collect()
-    hwm = False
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        peak_before = base
-    else:
-        base = _rss_bytes()
-        hwm = _reset_peak_rss()
-        peak_before = _peak_rss_bytes(hwm)
+    base, hwm, peak_before = start_peak_window(cuda)
 
     times = []
     out = None
@@ -168,7 +182,7 @@ def _worker(cfg: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes(hwm)
+    peak = read_peak(cuda, hwm)
     # checked only after the peak was read: isfinite on a [tokens, vocab] gradient allocates temporaries
     if not all(bool(torch.isfinite(t).all()) for t in out):
         raise RuntimeError("non-finite output")

@@ -62,8 +62,9 @@ VARIANTS = ("unfused", "fused", "padded", "dynamic", "packed")
 QWEN_VOCAB = 151936
 
 
-# The peak-memory probes of the token-stats benchmark (VmHWM reset through /proc/self/clear_refs; its docstring).
-from bench_token_stats import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # noqa: E402
+# The peak-memory window of the token-stats benchmark (VmHWM reset through /proc/self/clear_refs; its docstring).
+from bench_token_stats import read_peak, start_peak_window  # noqa: E402
+from megatron_dynamo.algorithms.config import SCOPE_SOURCES  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ the batch
@@ -158,7 +159,7 @@ def _worker(cfg: dict) -> dict:
     from megatron_dynamo.algorithms.allocation import PromptHistory
     from megatron_dynamo.parallel import runtime
     from megatron_dynamo.trainer.actor import MegatronActor
-    from megatron_dynamo.trainer.batch import Sample
+    from megatron_dynamo.trainer.batch import Sample, sequence_length
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.step import StageTimer, StepRunner
 
@@ -202,7 +203,7 @@ def _worker(cfg: dict) -> dict:
             layout["micro_batches"] += 1
             layout["computed_tokens"] += n
             layout["largest_micro_batch_tokens"] = max(layout["largest_micro_batch_tokens"], n)
-    real_tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) - 1 for s in samples)
+    real_tokens = sum(sequence_length(s) for s in samples)
 
     # Warm-up: a small update (Adam's state appears at the first step; kernels, thread pools).
     small = [s for s in samples if s.prompt_id == order[0]][:2]
@@ -211,15 +212,7 @@ def _worker(cfg: dict) -> dict:
     runner._update(small, order[:1], StageTimer())
     sync()
     gc.collect()
-    hwm = False
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        before_peak = base
-    else:
-        base = _rss_bytes()
-        hwm = _reset_peak_rss()
-        before_peak = _peak_rss_bytes(hwm)
+    base, hwm, before_peak = start_peak_window(cuda)
     times, stages, metrics = [], {}, {}
     for _ in range(cfg["repeats"]):
         timer = StageTimer()
@@ -230,13 +223,13 @@ def _worker(cfg: dict) -> dict:
         times.append(time.perf_counter() - t0)
         if times[-1] == min(times):
             stages = dict(timer.seconds)
-    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes(hwm)
+    peak = read_peak(cuda, hwm)
     out = {"seconds": min(times), "all_seconds": times, "stages": stages, "peak_extra": peak - base,
            "peak_abs": peak, "base": base, "inexact": (not cuda) and before_peak > base + 16 * MiB,
            "real_tokens": real_tokens, "response_tokens": sum(len(s.response_tokens) for s in samples),
            "optimizer_steps": metrics.get("optimizer_steps"), "loss": metrics.get("loss"),
            "grad_norm": metrics.get("grad_norm"), "skipped": metrics.get("skipped"),
-           "fused_wired": hasattr(StepRunner, "model_output"), "use_te": bool(actor.use_te), **layout}
+           "use_te": bool(actor.use_te), **layout}
     if cuda:
         out["peak_reserved"] = torch.cuda.max_memory_reserved()
     try:
@@ -361,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "24 GiB; 16384 on CUDA)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {','.join(VARIANTS)} (default all)")
-    ap.add_argument("--scope", default="old_policy", choices=["old_policy", "current_policy"],
+    ap.add_argument("--scope", default="old_policy", choices=SCOPE_SOURCES,
                     help="dynamo.modulation.scope (default old_policy)")
     ap.add_argument("--algo", default="dynamo", choices=["dynamo", "grpo"],
                     help="the loss: DynaMO's modulated PPO (default) or plain GRPO")
@@ -441,11 +434,6 @@ def run(args) -> dict:
         print(f"# {v}: {detail} ({time.perf_counter() - t0:.0f} s with start-up)", flush=True)
         if r.get("tail") and r.get("error") != "OOM":
             print("\n".join("#   " + line for line in r["tail"][-12:]), flush=True)
-    wired = [r.get("fused_wired") for r in results.values() if "error" not in r]
-    if wired and not all(wired):
-        settings["note"] = ("this commit's trainer has no fused output layer (StepRunner.model_output): "
-                            "trainer.fused_output_layer is ignored, fused = unfused")
-        print("# note: " + settings["note"], flush=True)
     rows = table_rows(results, variants, same_as)
     table = format_table(rows)
     print(table)

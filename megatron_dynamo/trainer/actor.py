@@ -14,7 +14,7 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence, get_args
 
 import torch
 
@@ -204,8 +204,8 @@ class MegatronActor:
         micro-batch's metrics dict from ``loss_fn`` (an empty list on other stages). Gradients accumulate in
         the DDP buffers; call :meth:`optimizer_step` after the last micro-batch of a mini-batch. ``output`` is what
         ``loss_fn`` gets on the last stage (:data:`ModelOutput`)."""
-        if output not in ("fp32_logits", "logits", "hidden"):
-            raise ValueError(f"output must be 'fp32_logits', 'logits' or 'hidden', got {output!r}")
+        if output not in get_args(ModelOutput):
+            raise ValueError(f"output must be one of {get_args(ModelOutput)}, got {output!r}")
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 

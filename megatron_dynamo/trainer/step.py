@@ -451,14 +451,18 @@ def _sum_reward_stats(stats) -> dict[str, float]:
     return total.as_metrics()
 
 
+def _add_scope_gap(total: dict[str, float], part: dict[str, float]) -> None:
+    """Scope-gap sums and maxima of ``part`` into ``total``: keys ending in ``_max`` by max, the others summed."""
+    for key, value in part.items():
+        total[key] = max(total[key], value) if key.endswith("_max") else total[key] + value
+
+
 def _sum_scope_gaps(results: list[dict[str, Any]]) -> dict[str, float]:
     """This rank's scope-gap sums and maxima over a mini-batch's micro-batches (``policy_loss.scope_gap``)."""
-    out = {"num_tokens": 0.0, "beta_comp_sum": 0.0, "beta_stab_sum": 0.0, "beta_comp_max": 0.0,
-           "beta_stab_max": 0.0}
+    keys = ("num_tokens", "beta_comp_sum", "beta_stab_sum", "beta_comp_max", "beta_stab_max")
+    out = dict.fromkeys(keys, 0.0)
     for r in results:
-        for key in out:
-            value = float(r.get(f"scope_gap/{key}", 0.0))
-            out[key] = max(out[key], value) if key.endswith("_max") else out[key] + value
+        _add_scope_gap(out, {key: float(r.get(f"scope_gap/{key}", 0.0)) for key in keys})
     return out
 
 
@@ -473,9 +477,7 @@ def _reduce_scope_gaps(local: list[tuple[int, int, dict[str, float]]]) -> dict[s
     merged: dict[tuple[int, int], dict[str, float]] = {}
     for part in gathered:
         for epoch, index, gap in part or []:
-            acc = merged.setdefault((epoch, index), dict.fromkeys(gap, 0.0))
-            for key, value in gap.items():
-                acc[key] = max(acc[key], value) if key.endswith("_max") else acc[key] + value
+            _add_scope_gap(merged.setdefault((epoch, index), dict.fromkeys(gap, 0.0)), gap)
     rows = [merged[k] for k in sorted(merged)]
     tokens = sum(r["num_tokens"] for r in rows)
     out: dict[str, Any] = {"modulation/scope_gap_by_mini_batch": [
