@@ -1,0 +1,365 @@
+"""`dynamo ablate`: the statistics (bootstrap CI, paired and marginal effects, realised variance ratio), the table
+layout, and the scheduler / resume logic with a fake trainer (no training)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from hf_reference import REPO
+from megatron_dynamo.cli import build_parser
+from megatron_dynamo.commands import ablate
+from megatron_dynamo.report.ablation import (PAPER_AVG, PAPER_ORDER, VARIANTS, analyse, bootstrap_ci, main_table,
+                                             marginal_effect, paired_differences, parse_variants,
+                                             realised_variance_ratio, zero_advantage_share)
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def test_bootstrap_ci_of_constant_samples_has_zero_width():
+    ci = bootstrap_ci([0.3, 0.3, 0.3], resamples=1000)
+    assert ci["mean"] == pytest.approx(0.3) and ci["lo"] == pytest.approx(0.3) and ci["hi"] == pytest.approx(0.3)
+    assert ci["n"] == 3
+    assert bootstrap_ci([0.7])["lo"] == bootstrap_ci([0.7])["hi"] == 0.7
+    empty = bootstrap_ci([None, float("nan"), "nan"])
+    assert empty["n"] == 0 and empty["mean"] is None
+
+
+def test_bootstrap_ci_of_a_large_normal_sample_matches_the_normal_interval():
+    x = np.random.default_rng(123).normal(2.0, 3.0, size=500)
+    ci = bootstrap_ci(x, resamples=4000, seed=7)
+    half = 1.96 * x.std(ddof=1) / np.sqrt(x.size)  # reference computed here, not by the code under test
+    assert ci["mean"] == pytest.approx(x.mean())
+    assert ci["lo"] == pytest.approx(x.mean() - half, abs=0.1 * half)
+    assert ci["hi"] == pytest.approx(x.mean() + half, abs=0.1 * half)
+
+
+def test_bootstrap_ci_is_reproducible_with_its_seed():
+    x = [0.1, 0.5, 0.35, 0.8]
+    assert bootstrap_ci(x, resamples=500, seed=3) == bootstrap_ci(x, resamples=500, seed=3)
+    assert bootstrap_ci(x, resamples=500, seed=3) != bootstrap_ci(x, resamples=500, seed=4)
+    ci = bootstrap_ci(x, resamples=500)
+    assert min(x) <= ci["lo"] < ci["mean"] < ci["hi"] <= max(x)
+
+
+def test_paired_differences_use_the_common_seeds_only():
+    a = {1: 0.5, 2: 0.6, 3: 0.9, 4: "nan"}
+    b = {1: 0.4, 3: 0.7, 4: 0.1, 5: 0.2}
+    assert paired_differences(a, b) == pytest.approx({1: 0.1, 3: 0.2})
+    assert paired_differences({}, b) == {}
+
+
+def _additive(base=0.3, effects=(0.05, 0.02, -0.01), seeds=(1, 2, 3), offsets=(0.0, 0.1, -0.04)):
+    values = {}
+    for name, v in VARIANTS.items():
+        if v.power != 1.0:
+            continue
+        values[name] = {s: base + o + effects[0] * v.dra + effects[1] * v.gc + effects[2] * v.ums
+                        for s, o in zip(seeds, offsets)}
+    return values
+
+
+def test_marginal_effects_recover_an_additive_model_exactly():
+    values = _additive()
+    for component, expected in zip(("dra", "gc", "ums"), (0.05, 0.02, -0.01)):
+        effect = marginal_effect(values, component)
+        assert effect["per_seed"] == pytest.approx({1: expected, 2: expected, 3: expected})
+        assert effect["missing"] == [] and len(effect["pairs"]) == 4
+        assert all(on != off and VARIANTS[on].__getattribute__(component) and
+                   not VARIANTS[off].__getattribute__(component) for on, off in effect["pairs"])
+    # an interaction term moves the simple effects but the marginal effect is their mean
+    values["dynamo"] = {s: v + 0.04 for s, v in values["dynamo"].items()}
+    assert marginal_effect(values, "dra")["per_seed"][1] == pytest.approx(0.05 + 0.01)
+
+
+def test_a_missing_variant_makes_the_marginal_effect_na():
+    values = _additive()
+    del values["gc+ums"]
+    effect = marginal_effect(values, "dra")
+    assert effect["per_seed"] == {} and effect["missing"] == ["gc+ums"]
+    values = _additive()
+    del values["dra"][2]  # one failed run: that seed drops out
+    assert sorted(marginal_effect(values, "dra")["per_seed"]) == [1, 3]
+    # the analysis says n/a
+    summaries = {(name, s): {"pass@1": v, "pass@4": v} for name, per in _additive().items() for s, v in per.items()
+                 if name != "gc+ums"}
+    analysis = analyse(summaries, [n for n in VARIANTS if n not in ("gc+ums", "dynamo-p0.5")], [1, 2, 3], k=4,
+                       resamples=200)
+    assert analysis["effects"]["dra"]["pass@1"]["mean"] is None
+    assert analysis["effects"]["power 0.5 - power 1.0"]["pass@1"]["missing"] == ["dynamo-p0.5"]
+    assert analysis["effects"]["dynamo - grpo"]["pass@1"]["mean"] == pytest.approx(0.06)
+
+
+def test_paper_marginal_effects_from_its_table():
+    analysis = analyse({}, list(VARIANTS), [1], k=4, resamples=100)
+    # DRA: mean of (41.6-39.9), (40.3-38.9), (40.1-37.6), (38.4-37.2) = 1.7
+    assert analysis["paper_marginal_avg"]["dra"] == pytest.approx(1.7)
+    assert PAPER_AVG["dynamo"] == 41.6
+
+
+def test_realised_variance_ratio_by_hand():
+    # uniform counts: exactly 1 whatever the success rates
+    uniform = [{"step": 1, "prompt_id": i, "count": 8, "correct": c} for i, c in enumerate([1, 4, 8, 0, 6])]
+    assert realised_variance_ratio(uniform)["mean"] == 1.0
+    # step 2: counts 4 and 12 (n_uniform 8), successes 2/4 and 3/12: p(1-p) = 0.25 and 0.1875
+    #   allocated: 0.25/4 + 0.1875/12 = 0.078125; uniform: (0.25 + 0.1875)/8 = 0.0546875 -> ratio 1.428571...
+    # step 3: counts 2 and 6 (n_uniform 4), successes 0/2 and 3/6: only the second has variance 0.25
+    #   allocated: 0.25/6; uniform: 0.25/4 -> ratio 2/3
+    # step 4: every group all correct or all wrong: left out
+    rows = [{"step": 2, "prompt_id": "a", "count": 4, "correct": 2}, {"step": 2, "prompt_id": "b", "count": 12,
+                                                                       "correct": 3},
+            {"step": 3, "prompt_id": "a", "count": 2, "correct": 0}, {"step": 3, "prompt_id": "b", "count": 6,
+                                                                       "correct": 3},
+            {"step": 4, "prompt_id": "a", "count": 4, "correct": 4}, {"step": 4, "prompt_id": "b", "count": 4,
+                                                                       "correct": 0}]
+    out = realised_variance_ratio(rows)
+    assert out["per_step"] == pytest.approx({2: 0.078125 / 0.0546875, 3: 2 / 3})
+    assert out["steps_used"] == 2 and out["mean"] == pytest.approx((0.078125 / 0.0546875 + 2 / 3) / 2)
+    assert realised_variance_ratio([])["mean"] is None
+    assert zero_advantage_share(rows) == pytest.approx(3 / 6)
+
+
+def test_table_rows_follow_the_paper_order_with_its_labels():
+    summaries = {(name, s): {"pass@1": 0.1 * i, "pass@4": 0.2, "final_reward": 0.5,
+                             "rollouts_to_threshold_censored": 100, "censored": False}
+                 for i, name in enumerate(VARIANTS) for s in (1, 2)}
+    summaries.update({("sft", s): {"pass@1": 0.05, "pass@4": 0.1} for s in (1, 2)})
+    analysis = analyse(summaries, list(VARIANTS), [1, 2], k=4, resamples=100)
+    lines = main_table(analysis, budget=1000).splitlines()
+    labels = [line.split("|")[1].strip() for line in lines[2:]]
+    assert labels == ["DynaMO", "w/o GC", "w/o UMS", "w/o DRA", "w/o GC & DRA", "w/o GC & UMS", "w/o UMS & DRA",
+                      "GRPO (w/o ALL)", "DynaMO, power 0.5", "SFT start"]
+    assert [line.split("|")[2].strip() for line in lines[2:]] == [*PAPER_ORDER, "sft"]
+    assert "held-out pass@1" in lines[0] and "Δ pass@1 vs GRPO" in lines[0] and "rollouts to threshold" in lines[0]
+    # GRPO is the reference; DynaMO's Δ is paired: (0.7 - 0.0) = +70 points, zero width (same in both seeds)
+    assert "0 (reference)" in lines[9] and "+70.0 [+70.0, +70.0]" in lines[2]
+    assert parse_variants("dynamo, grpo") == ["dynamo", "grpo"]
+    for bad in ("ppo", "grpo,grpo", ""):
+        with pytest.raises(ValueError):
+            parse_variants(bad)
+
+
+# ---------------------------------------------------------------------------------------------- fake trainer
+STEPS = 6
+
+
+class FakeTrainer:
+    """Stands in for `dynamo train`: writes metrics.jsonl / prompts.jsonl / checkpoints like a run, with values
+    that depend only on (variant, seed, step); refuses to overwrite checkpoints without --resume, continues from
+    the latest one with it. ``interrupt``: (call number, step): raise KeyboardInterrupt after that step's
+    checkpoint, as Ctrl-C would stop the real trainer."""
+
+    def __init__(self, interrupt=None):
+        self.calls = []
+        self.interrupt = interrupt
+
+    def __call__(self, command, env, log_path):
+        self.calls.append(list(command))
+        assert command[1:5] == ["-m", "megatron_dynamo.cli", "train", command[4]]
+        kv = dict(item.split("=", 1) for item in command if "=" in item and not item.startswith("-"))
+        out = Path(kv["trainer.output_dir"])
+        assert Path(log_path).parent == out and out.is_dir()
+        ckpt = out / "checkpoints"
+        resume = "--resume" in command
+        saved = sorted(int(p.name[5:]) for p in ckpt.glob("step_*")) if ckpt.is_dir() else []
+        if saved and not resume:
+            raise AssertionError("the trainer refuses to overwrite checkpoints")
+        seed = int(kv["trainer.seed"])
+        steps = int(kv.get("trainer.steps", STEPS))
+
+        def save(step):
+            (ckpt / f"step_{step:06d}").mkdir(parents=True, exist_ok=True)
+            (ckpt / f"step_{step:06d}" / "trainer_state.json").write_text("{}")
+            (ckpt / "latest").write_text(f"step_{step:06d}")
+
+        if steps == 0:  # the SFT warm-up
+            assert "evaluation.at_start=true" in command
+            with open(out / "metrics.jsonl", "w") as f:
+                f.write(json.dumps({"step": 0, "eval/held/pass@1": 0.1 + 0.01 * seed,
+                                    "eval/avg/pass@1": 0.1 + 0.01 * seed, "eval/avg/pass@4": 0.2}) + "\n")
+            save(0)
+            return 0
+        assert kv["evaluation.every"] == str(STEPS) and kv["trainer.sft_warmup_steps"] == "0"
+        assert kv["model.checkpoint"].endswith(os.path.join(f"sft/seed{seed}/checkpoints", "step_000000"))
+        dra, gc, ums = (kv[k] == "true" for k in ablate.VARIANT_KEYS[:3])
+        power = float(kv["dynamo.allocation.power"])
+        start = saved[-1] if resume and saved else 0
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")] if resume and start else []
+        rows = [r for r in rows if r["step"] <= start]
+        prompts = [json.loads(line) for line in open(out / "prompts.jsonl")] if resume and start else []
+        prompts = [r for r in prompts if r["step"] <= start]
+        for step in range(start + 1, steps + 1):
+            reward = 0.3 + 0.05 * step + 0.02 * dra + 0.01 * gc + 0.005 * ums + 0.001 * seed + 0.003 * (power < 1)
+            row = {"step": step, "reward_mean": reward, "rollouts": 32, "variance_ratio": 0.8 if dra else 1.0,
+                   "response_length_mean": 5.0}
+            if gc or ums:
+                row["modulation/scale_mean"] = 1.0 + 0.1 * gc - 0.05 * ums
+            if step == steps:
+                final = 0.4 + 0.05 * dra + 0.02 * gc + 0.01 * ums + 0.01 * seed + 0.004 * (power < 1)
+                row.update({"eval/held/pass@1": final, "eval/avg/pass@1": final, "eval/avg/pass@4": final + 0.1})
+            rows.append(row)
+            counts = [4, 12] if dra else [8, 8]
+            prompts += [{"step": step, "prompt_id": i, "count": c, "correct": c // (i + 2)}
+                        for i, c in enumerate(counts)]
+            with open(out / "metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            with open(out / "prompts.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in prompts)
+            if step % 2 == 0 or step == steps:
+                save(step)
+            if self.interrupt == (len(self.calls), step):
+                raise KeyboardInterrupt
+        return 0
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    values = yaml.safe_load(open(os.path.join(REPO, "configs", "cpu_default.yaml")))
+    values["trainer"].update(steps=STEPS, sft_warmup_steps=5, output_dir=str(tmp_path / "ignored"))
+    values["evaluation"] = {"benchmarks": ["held"], "n": 4, "k": [4]}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def _args(recipe, out, *extra):
+    # as `dynamo` parses a command line: key=value words after an option join the overrides
+    args, rest = build_parser().parse_known_args(["ablate", recipe, "--output-dir", str(out), "--bootstrap", "200",
+                                                  *extra])
+    assert all("=" in item for item in rest)
+    args.overrides = [*args.overrides, *rest]
+    return args
+
+
+def _kind(command):
+    kv = dict(item.split("=", 1) for item in command if "=" in item)
+    variant = next((name for name, v in VARIANTS.items() if all(item in command for item in v.overrides())), None)
+    return ("sft" if kv.get("trainer.steps") == "0" else variant, int(kv["trainer.seed"]), "--resume" in command)
+
+
+def _analysis(out):
+    return json.loads((Path(out) / "ablation.json").read_text())["analysis"]
+
+
+def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_path, capsys):
+    variants = "grpo,dra,gc,ums,dra+gc,dra+ums,gc+ums,dynamo,dynamo-p0.5"
+    whole = FakeTrainer()
+    assert ablate.run(_args(recipe, tmp_path / "a", "--seeds", "1,2", "--variants", variants), launch=whole) == 0
+    assert len(whole.calls) == 2 * (1 + 9)
+    kinds = [_kind(c) for c in whole.calls]
+    assert kinds[0] == ("sft", 1, False) and kinds[10] == ("sft", 2, False)  # seed-major, SFT first
+    printed = capsys.readouterr().out
+    assert "[20/20]" in printed and "held-out pass@1" in printed and "final reward" in printed
+
+    # interrupted during the 4th run (gc, seed 1) after step 3 (checkpoint at step 2)
+    out = tmp_path / "b"
+    first = FakeTrainer(interrupt=(4, 3))
+    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", variants), launch=first) == 130
+    assert len(first.calls) == 4
+    assert "run the same command again to resume" in capsys.readouterr().err
+    (out / "runs" / "ums" / "seed1").mkdir(parents=True)  # a run that started but saved nothing: redone
+    (out / "runs" / "ums" / "seed1" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.9}\n')
+    second = FakeTrainer()
+    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", variants), launch=second) == 0
+    kinds = [_kind(c) for c in second.calls]
+    assert kinds[0] == ("gc", 1, True)  # the unfinished run with a checkpoint continues
+    assert ("sft", 1, False) not in kinds and ("grpo", 1, False) not in kinds and ("dra", 1, False) not in kinds
+    assert len(kinds) == 20 - 3 and all(not r for _, _, r in kinds[1:])
+    assert "reused" in capsys.readouterr().out
+    assert _analysis(out)["per_variant"] == _analysis(tmp_path / "a")["per_variant"]
+    assert _analysis(out)["effects"] == _analysis(tmp_path / "a")["effects"]
+
+    # everything done: a third call runs nothing and re-tabulates (another threshold is fine)
+    third = FakeTrainer()
+    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", variants, "--threshold", "0.5"),
+                      launch=third) == 0
+    assert third.calls == []
+    result = json.loads((out / "ablation.json").read_text())
+    a = result["analysis"]
+    assert a["effects"]["dra"]["pass@1"]["mean"] == pytest.approx(0.05)
+    assert a["effects"]["gc"]["pass@4"]["mean"] == pytest.approx(0.02)
+    assert a["effects"]["power 0.5 - power 1.0"]["pass@1"]["mean"] == pytest.approx(0.004)
+    assert a["per_variant"]["sft"]["pass@1"]["mean"] == pytest.approx(0.115)
+    assert a["per_variant"]["dynamo"]["variance_ratio_predicted"]["mean"] == pytest.approx(0.8)
+    assert a["per_variant"]["grpo"]["variance_ratio_realised"]["mean"] == pytest.approx(1.0)
+    # the fake's DRA steps: counts 4 and 12 with 2/4 and 4/12 correct: (1/4 / 4 + 2/9 / 12) / ((1/4 + 2/9) / 8)
+    assert a["per_variant"]["dra"]["variance_ratio_realised"]["mean"] == pytest.approx(
+        (0.25 / 4 + 2 / 9 / 12) / ((0.25 + 2 / 9) / 8))
+    assert a["per_variant"]["grpo"]["modulation"]["modulation/scale_mean"] is None
+    assert a["per_variant"]["gc"]["modulation"]["modulation/scale_mean"] == pytest.approx(1.1)
+    md = (out / "ablation.md").read_text()
+    assert "2 seed(s)" in md and "crude" in md and "| DynaMO | dynamo |" in md
+    assert (out / "ablation.png").stat().st_size > 0 and (out / "report" / "report.html").is_file()
+    plan = json.loads((out / ablate.PLAN_FILE).read_text())
+    assert plan["seeds"] == [1, 2] and plan["budget"]["rollouts_per_step"] == 32 * 8
+
+
+def test_jobs_run_concurrently_with_their_own_cores(recipe, tmp_path):
+    launched = []
+
+    class Recording(FakeTrainer):
+        def __call__(self, command, env, log_path):
+            launched.append(dict(env))
+            return super().__call__(command, env, log_path)
+
+    fake = Recording()
+    assert ablate.run(_args(recipe, tmp_path / "j", "--seeds", "1,2", "--variants", "grpo,dynamo", "--jobs", "2"),
+                      launch=fake) == 0
+    assert len(fake.calls) == 6
+    slots = ablate.cpu_slots(2)
+    assert {e[ablate.CPUS_ENV] for e in launched} <= {",".join(map(str, s)) for s in slots}
+    assert all(e["OMP_NUM_THREADS"] == str(len(slots[0])) for e in launched)
+    # each variant started after its seed's SFT run (the fake asserts the SFT checkpoint path exists in its args)
+    order = [_kind(c)[:2] for c in fake.calls]
+    for seed in (1, 2):
+        assert order.index(("sft", seed)) < order.index(("grpo", seed))
+    assert ablate.cpu_slots(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
+    assert ablate.cpu_slots(3, [0, 1]) == [[0], [1], [0]]
+    env = ablate.child_environment({"RANK": "0", "MASTER_PORT": "1", "PATH": "/bin"}, 1, [0])
+    assert env == {"PATH": "/bin"}
+
+
+def test_a_changed_plan_is_refused(recipe, tmp_path, capsys):
+    out = tmp_path / "p"
+    assert ablate.run(_args(recipe, out, "--seeds", "1", "--variants", "grpo"), launch=FakeTrainer()) == 0
+    # more seeds and variants: fine, only the new runs execute
+    more = FakeTrainer()
+    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", "grpo,dynamo"), launch=more) == 0
+    assert sorted(_kind(c)[:2] for c in more.calls) == [("dynamo", 1), ("dynamo", 2), ("grpo", 2), ("sft", 2)]
+    assert json.loads((out / ablate.PLAN_FILE).read_text())["variants"] == ["grpo", "dynamo"]
+    capsys.readouterr()
+    changed = FakeTrainer()
+    assert ablate.run(_args(recipe, out, "--seeds", "1", "--variants", "grpo", "trainer.steps=8"),
+                      launch=changed) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dynamo ablate:") and "differs" in err and len(err.strip().splitlines()) == 1
+    assert changed.calls == []
+
+
+def test_bad_arguments_fail_before_any_run(recipe, tmp_path, capsys):
+    no_eval = tmp_path / "no_eval.yaml"
+    values = yaml.safe_load(open(recipe))
+    del values["evaluation"]
+    no_eval.write_text(yaml.safe_dump(values))
+    cases = [(recipe, ["trainer.seed=3"]), (recipe, ["dynamo.modulation.gc=false"]), (recipe, ["trainer.stpes=3"]),
+             (recipe, ["--variants", "grpo,ppo"]), (recipe, ["--seeds", "1,1"]), (str(no_eval), [])]
+    for config, extra in cases:
+        fake = FakeTrainer()
+        assert ablate.run(_args(config, tmp_path / "bad", *extra), launch=fake) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("dynamo ablate:") and len(err.strip().splitlines()) == 1, err
+        assert fake.calls == [] and not (tmp_path / "bad").exists()
+        if config == str(no_eval):
+            assert "no evaluation.benchmarks" in err
+
+
+def test_ablate_help_documents_every_option():
+    out = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "ablate", "--help"], capture_output=True,
+                         text=True, check=True, cwd=REPO).stdout
+    for option in ("--seeds", "--variants", "--jobs", "--threshold", "--window", "--bootstrap", "--output-dir",
+                   "key=value", "dynamo-p0.5", "Resume", "--resume"):
+        assert option in out, option
