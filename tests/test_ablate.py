@@ -363,3 +363,43 @@ def test_ablate_help_documents_every_option():
     for option in ("--seeds", "--variants", "--jobs", "--threshold", "--window", "--bootstrap", "--output-dir",
                    "key=value", "dynamo-p0.5", "Resume", "--resume"):
         assert option in out, option
+
+
+def test_ctrl_c_stops_the_running_runs_and_leaves_none_behind(tmp_path):
+    import signal
+    import threading
+
+    specs = [ablate.RunSpec(v, 1, str(tmp_path / v)) for v in ("grpo", "dynamo", "gc")]
+    script = ("import json, os, sys, time; json.dump({'pid': os.getpid(), 'sid': os.getsid(0), "
+              "'cpus': sorted(os.sched_getaffinity(0)), 'threads': os.environ['OMP_NUM_THREADS']}, "
+              "open(sys.argv[1] + '.tmp', 'w')); os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)")
+    command_for = lambda spec, resume: [sys.executable, "-c", script, os.path.join(spec.output_dir, "pid")]  # noqa
+    slots = ablate.cpu_slots(2)
+    env_for = lambda slot: ablate.child_environment(os.environ, 2, slots[slot])  # noqa: E731
+    written = [os.path.join(s.output_dir, "pid") for s in specs[:2]]
+
+    def interrupt():
+        for _ in range(200):  # both running runs started (the third waits for a free slot)
+            if all(os.path.exists(p) for p in written):
+                break
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=interrupt)
+    timer.start()
+    launcher = ablate.SubprocessLauncher()
+    with pytest.raises(ablate.AblationInterrupted, match="0 of 3 runs finished"):
+        ablate.execute(specs, STEPS, command_for, launcher, jobs=2, env_for=env_for)
+    timer.join()
+    assert not os.path.exists(os.path.join(specs[2].output_dir, "pid"))  # never started
+    seen = set()
+    for path in written:
+        child = json.load(open(path))
+        assert child["sid"] == child["pid"] != os.getpid()  # a session of its own: Ctrl-C reaches us only
+        assert child["threads"] == str(len(slots[0])) and child["cpus"] in slots
+        seen.add(tuple(child["cpus"]))
+        with pytest.raises(ProcessLookupError):
+            os.kill(child["pid"], 0)  # stopped and reaped
+    assert len(seen) == min(2, len(slots))
+    assert launcher.running() == 0
+    assert "# " in open(os.path.join(specs[0].output_dir, "train.log")).read()
