@@ -320,7 +320,7 @@ def test_jobs_run_concurrently_with_their_own_cores(recipe, tmp_path):
     assert ablate.cpu_slots(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
     assert ablate.cpu_slots(3, [0, 1]) == [[0], [1], [0]]
     env = ablate.child_environment({"RANK": "0", "MASTER_PORT": "1", "PATH": "/bin"}, 1, [0])
-    assert env == {"PATH": "/bin"}
+    assert env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1"}
 
 
 def test_a_changed_plan_is_refused(recipe, tmp_path, capsys):

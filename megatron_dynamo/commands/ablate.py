@@ -30,8 +30,8 @@ them is an error).
 
 --jobs N runs up to N runs at once (the SFT run of a seed before its variants; seed-major order). With N > 1
 each run gets its own share of the cores (cores // N, pinned with CPU affinity; OMP_NUM_THREADS and
-MKL_NUM_THREADS set to it); N = 1 leaves the environment as it is. Recipes with rollout.tensor_parallel > 1 run
-one at a time (vLLM's CPU shared-memory names would collide). Progress: a line per run start and end with
+MKL_NUM_THREADS set to it); N = 1 leaves the environment as it is. N > 1 is refused for recipes with
+rollout.tensor_parallel > 1 (vLLM's CPU shared-memory names would collide between runs). Progress: a line per run start and end with
 [done/total], its wall time, final train reward and held-out pass@1.
 
 Resume: run the same command again. A run whose metrics.jsonl has every step and the final evaluation (the SFT
@@ -235,10 +235,11 @@ def cpu_slots(jobs: int, cpus: Sequence[int] | None = None) -> list[list[int]]:
 
 
 def child_environment(base: Mapping[str, str], jobs: int, cpus: Sequence[int] | None) -> dict[str, str]:
-    """A run's environment: ``base`` without launcher variables; with jobs > 1 also its thread count (the number
-    of its CPUs) and the CPUs to pin it to (:data:`CPUS_ENV`)."""
+    """A run's environment: ``base`` without launcher variables, unbuffered output; with jobs > 1 also its thread
+    count (the number of its CPUs) and the CPUs to pin it to (:data:`CPUS_ENV`)."""
     env = {k: v for k, v in base.items() if k not in LAUNCH_VARIABLES}
     env.pop(CPUS_ENV, None)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # train.log follows the run (the step lines as they happen)
     if jobs > 1 and cpus:
         for name in THREAD_VARIABLES:
             env[name] = str(len(cpus))
@@ -368,69 +369,81 @@ def execute(specs: Sequence[RunSpec], steps: int, command_for: Callable[[RunSpec
     free_slots = list(range(max(1, jobs)))
     running: dict[futures.Future, tuple[RunSpec, int, float, bool, list[str]]] = {}
     interrupted = False
+
+    def dispatch(pool: futures.ThreadPoolExecutor) -> None:
+        for spec in list(pending):
+            if not free_slots:
+                return
+            state = ready(spec)
+            if state == "wait":
+                continue
+            pending.remove(spec)
+            if state == "skip":
+                finish(RunResult(spec, "skipped", message=f"its SFT run (seed {spec.seed}) failed"))
+                continue
+            resume = run_state(spec, steps) == "resume"
+            try:
+                if not resume and os.path.exists(spec.output_dir):
+                    shutil.rmtree(spec.output_dir)  # no checkpoint: start over (train refuses to overwrite)
+                os.makedirs(spec.output_dir, exist_ok=True)
+                command = command_for(spec, resume)
+            except (OSError, RuntimeError) as exc:
+                finish(RunResult(spec, "failed", resume=resume, message=f"could not start: {exc}"))
+                continue
+            slot = free_slots.pop(0)
+            env = dict(env_for(slot) if env_for else os.environ)
+            if announce is not None:
+                announce(spec, resume, len(results), total)
+            future = pool.submit(launch, command, env, os.path.join(spec.output_dir, "train.log"))
+            running[future] = (spec, slot, time.perf_counter(), resume, command)
+
+    def collect_finished(done: set[futures.Future]) -> None:
+        nonlocal interrupted
+        for future in done:
+            spec, slot, started, resume, command = running.pop(future)
+            free_slots.append(slot)
+            free_slots.sort()
+            seconds = round(time.perf_counter() - started, 1)
+            try:
+                code = future.result()
+            except KeyboardInterrupt:  # raised by the launcher (a test's fake): the same as Ctrl-C here
+                if not interrupted:
+                    interrupted = True
+                    _signal(launch, signal.SIGINT)
+                continue
+            except Exception as exc:  # noqa: BLE001 -- a launcher failure is this run's failure
+                finish(RunResult(spec, "failed", None, seconds, resume, command, f"could not run: {exc}"))
+                continue
+            if interrupted and code != 0:
+                continue  # stopped by the interrupt: resumed next time
+            if code == 0 and run_state(spec, steps) == "done":
+                finish(RunResult(spec, "ok", code, seconds, resume, command))
+            else:
+                why = f"exit {code}" if code != 0 else "exited 0 but its metrics lack steps or the final evaluation"
+                finish(RunResult(spec, "failed", code, seconds, resume, command,
+                                 f"{why}; see {os.path.join(spec.output_dir, 'train.log')}"))
+
     pool = futures.ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="ablate-run")
     try:
         while pending or running:
-            if not interrupted:
-                for spec in list(pending):
-                    if not free_slots:
-                        break
-                    state = ready(spec)
-                    if state == "wait":
-                        continue
-                    pending.remove(spec)
-                    if state == "skip":
-                        finish(RunResult(spec, "skipped", message=f"its SFT run (seed {spec.seed}) failed"))
-                        continue
-                    resume = run_state(spec, steps) == "resume"
-                    if not resume and os.path.exists(spec.output_dir):
-                        shutil.rmtree(spec.output_dir)  # no checkpoint: start over (train refuses to overwrite)
-                    os.makedirs(spec.output_dir, exist_ok=True)
-                    command = command_for(spec, resume)
-                    slot = free_slots.pop(0)
-                    env = dict(env_for(slot) if env_for else os.environ)
-                    if announce is not None:
-                        announce(spec, resume, len(results), total)
-                    future = pool.submit(launch, command, env, os.path.join(spec.output_dir, "train.log"))
-                    running[future] = (spec, slot, time.perf_counter(), resume, command)
-            if not running:
-                if pending and not interrupted:  # cannot happen: a waiting run's SFT run is running or finished
-                    raise RuntimeError(f"runs waiting on nothing: {[s.describe() for s in pending]}")
-                break
-            try:
+            try:  # Ctrl-C anywhere in here: stop dispatching, ask the running runs to stop, wait for them
+                if not interrupted:
+                    dispatch(pool)
+                if not running:
+                    if pending and not interrupted:  # cannot happen: a waiting run's SFT run is running or done
+                        raise RuntimeError(f"runs waiting on nothing: {[s.describe() for s in pending]}")
+                    break
                 done, _ = futures.wait(list(running), return_when=futures.FIRST_COMPLETED)
+                collect_finished(done)
             except KeyboardInterrupt:
                 if interrupted:  # a second one: kill the runs
                     _signal(launch, signal.SIGKILL)
-                    continue
-                interrupted = True
-                _signal(launch, signal.SIGINT)
-                continue
-            for future in done:
-                spec, slot, started, resume, command = running.pop(future)
-                free_slots.append(slot)
-                free_slots.sort()
-                seconds = round(time.perf_counter() - started, 1)
-                try:
-                    code = future.result()
-                except KeyboardInterrupt:
-                    if not interrupted:
-                        interrupted = True
-                        _signal(launch, signal.SIGINT)
-                    continue
-                except Exception as exc:  # noqa: BLE001 -- a launcher failure is this run's failure
-                    finish(RunResult(spec, "failed", None, seconds, resume, command, f"could not run: {exc}"))
-                    continue
-                if interrupted and code != 0:
-                    continue  # stopped by the interrupt: resumed next time
-                complete = run_state(spec, steps) == "done"
-                if code == 0 and complete:
-                    finish(RunResult(spec, "ok", code, seconds, resume, command))
                 else:
-                    why = (f"exit {code}" if code != 0 else "exited 0 but its metrics lack steps or the final "
-                           "evaluation")
-                    finish(RunResult(spec, "failed", code, seconds, resume, command,
-                                     f"{why}; see {os.path.join(spec.output_dir, 'train.log')}"))
+                    interrupted = True
+                    _signal(launch, signal.SIGINT)
+    except BaseException:
+        _signal(launch, signal.SIGINT)  # an error of this process: stop the runs rather than wait for them
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     if interrupted:
