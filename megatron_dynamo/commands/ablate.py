@@ -18,8 +18,9 @@ problems), each a subprocess ``python -m megatron_dynamo.cli train RECIPE [key=v
 dynamo`` writing to its own directory (its console output in train.log):
  1. SFT warm-up, when the recipe has trainer.sft_warmup_steps > 0: once per seed, trainer.steps=0 and
     evaluation.at_start=true (the warm-up alone, evaluated, saved as checkpoint step 0) -> <out>/sft/seed<S>/.
-    Every variant of the seed starts from that checkpoint (model.checkpoint=<it>, trainer.sft_warmup_steps=0):
-    the same policy for all, the warm-up paid once per seed. Its held-out pass@1 is the "SFT start" row.
+    Every variant of the seed starts from that checkpoint (model.checkpoint=<it>, trainer.sft_warmup_steps=0,
+    evaluation.at_start=false): the same policy for all, the warm-up paid once per seed. Its held-out pass@1 is
+    the "SFT start" row.
  2. every variant: evaluation.every=trainer.steps, so the trainer evaluates the final model on the recipe's
     evaluation.benchmarks (the held-out split) with the run's own engine (the code path of ``dynamo eval``) and
     logs eval/<bench>/pass@<k> and eval/avg/pass@<k> on the last step's row -> <out>/runs/<variant>/seed<S>/.
@@ -148,7 +149,8 @@ def run_overrides(spec: RunSpec, user_overrides: Sequence[str], steps: int,
         return [*user_overrides, *own, "trainer.steps=0", "evaluation.at_start=true"]
     own.append(f"evaluation.every={steps}")
     if sft_checkpoint is not None:
-        own += [f"model.checkpoint={sft_checkpoint}", "trainer.sft_warmup_steps=0"]
+        # the SFT run evaluated this very model already: no second evaluation at step 0
+        own += [f"model.checkpoint={sft_checkpoint}", "trainer.sft_warmup_steps=0", "evaluation.at_start=false"]
     return [*user_overrides, *VARIANTS[spec.variant].overrides(), *own]
 
 

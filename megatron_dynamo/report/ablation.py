@@ -528,6 +528,7 @@ def plot_ablation(analysis: Mapping[str, Any], path: str, title: str = "DynaMO a
         if mean is not None:
             left.axhline(100 * mean, linestyle=style, color=color, linewidth=1,
                          label=f"{'GRPO' if name == 'grpo' else SFT_LABEL} mean")
+    left.set_xlim(-0.6, len(order) - 0.4)
     left.set_xticks(range(len(order)))
     left.set_xticklabels([f"{per[n]['label']}\n({n})" for n in order], rotation=30, ha="right", fontsize=8)
     left.set_ylabel("held-out pass@1 (%)")
@@ -548,6 +549,7 @@ def plot_ablation(analysis: Mapping[str, Any], path: str, title: str = "DynaMO a
             continue
         bar(right, i, ci, "tab:purple")
     right.axhline(0, color="black", linewidth=0.8)
+    right.set_xlim(-0.6, len(keys) - 0.4)
     right.set_xticks(range(len(keys)))
     right.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
     right.set_ylabel("Δ held-out pass@1 (points)")
