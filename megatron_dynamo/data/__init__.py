@@ -6,6 +6,9 @@
 - ``hub`` (imported on use: it pulls in ``datasets``): ``prepare`` converts a hub dataset to the JSONL rows.
 - ``templates``: prompt template registry (``qwen_math_boxed`` default, ``plain``, ``plain_boxed``, ``synthetic``).
 - ``synthetic``: ``make_synthetic_task`` (seeded integer arithmetic with spread difficulty), ``sft_pairs``.
+- ``reasoning``: ``make_reasoning_task`` (running sums written out step by step, 21-81 tokens; held-out split
+  ``reasoning_test``), the task of the CPU ablation testbed.
+- Generated tasks register in ``GENERATED_TASKS`` (``data.train: synthetic`` / ``reasoning``).
 - ``tokenizer``: ``build_char_tokenizer`` (imported lazily: it pulls in ``transformers``).
 """
 
@@ -15,6 +18,8 @@ from megatron_dynamo.data.dataset import (
     DATASETS,
     DatasetNotAvailableError,
     DatasetSpec,
+    GENERATED_TASKS,
+    GeneratedTask,
     MathDataset,
     MathExample,
     PromptSampler,
@@ -23,6 +28,7 @@ from megatron_dynamo.data.dataset import (
     load_math_jsonl,
     resolve_dataset_path,
 )
+from megatron_dynamo.data.reasoning import make_reasoning_task
 from megatron_dynamo.data.synthetic import SYNTHETIC_LEVELS, make_synthetic_task, sft_pairs
 from megatron_dynamo.data.templates import (
     DEFAULT_TEMPLATE,
@@ -46,8 +52,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "BENCHMARKS", "CHARACTERS", "DATASETS", "DATA_DIR_ENV", "DEFAULT_TEMPLATE", "DatasetNotAvailableError",
-    "DatasetSpec", "MathDataset", "MathExample", "PromptSampler", "PromptTemplate", "SPECIAL_TOKENS",
+    "DatasetSpec", "GENERATED_TASKS", "GeneratedTask", "MathDataset", "MathExample", "PromptSampler", "PromptTemplate", "SPECIAL_TOKENS",
     "SYNTHETIC_LEVELS", "SkippedRow", "build_char_tokenizer", "get_template", "list_templates", "load_math_file",
-    "load_math_jsonl", "make_synthetic_task", "register_template", "render", "resolve_dataset_path", "save_char_tokenizer",
+    "load_math_jsonl", "make_reasoning_task", "make_synthetic_task", "register_template", "render", "resolve_dataset_path", "save_char_tokenizer",
     "sft_pairs",
 ]

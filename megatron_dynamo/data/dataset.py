@@ -34,7 +34,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 
@@ -144,6 +144,33 @@ class MathDataset(Sequence[MathExample]):
     @property
     def num_skipped(self) -> int:
         return len(self.skipped)
+
+
+@dataclass(frozen=True)
+class GeneratedTask:
+    """A task generated with a seed instead of read from a file (the CPU tasks). ``data.train: <name>`` trains on
+    ``make(data.synthetic_problems, data.seed)``; with ``test``, the dataset name ``<name>_test`` is its fixed
+    held-out split (for ``evaluation.benchmarks`` and ``dynamo eval --benchmarks``)."""
+
+    name: str
+    make: Callable[[int, int], list[MathExample]]
+    test: Callable[[], list[MathExample]] | None = None
+    description: str = ""
+
+
+#: name -> task; filled by the modules that define them (``data/synthetic.py``, ``data/reasoning.py``).
+GENERATED_TASKS: dict[str, GeneratedTask] = {}
+TEST_SPLIT_SUFFIX = "_test"
+
+
+def register_generated_task(task: GeneratedTask) -> None:
+    GENERATED_TASKS[task.name] = task
+
+
+def generated_test_split(name: str) -> GeneratedTask | None:
+    """The task whose held-out split ``name`` is (``reasoning_test``), else None."""
+    task = GENERATED_TASKS.get(name.removesuffix(TEST_SPLIT_SUFFIX)) if name.endswith(TEST_SPLIT_SUFFIX) else None
+    return task if task is not None and task.test is not None else None
 
 
 def _spec_for(name: str) -> DatasetSpec | None:
@@ -351,6 +378,10 @@ def load_math_file(path_or_name: str | os.PathLike, data_dir: str | os.PathLike 
     """
     if on_duplicate_id not in ("error", "suffix"):
         raise ValueError(f"on_duplicate_id must be 'error' or 'suffix', got {on_duplicate_id!r}")
+    text = os.fspath(path_or_name)
+    generated = generated_test_split(text) if not Path(text).expanduser().is_file() else None
+    if generated is not None:
+        return MathDataset(name=source_name or text, path=f"generated:{text}", examples=generated.test())
     path = resolve_dataset_path(path_or_name, data_dir)
     source = source_name or path.stem
     parquet = path.suffix.lower() in PARQUET_SUFFIXES

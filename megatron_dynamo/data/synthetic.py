@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from megatron_dynamo.data.dataset import MathExample
+from megatron_dynamo.data.dataset import GeneratedTask, MathExample, register_generated_task
 from megatron_dynamo.data.templates import render
 
 DATA_SOURCE = "synthetic"
@@ -139,13 +139,20 @@ def sft_pairs(examples: Sequence[MathExample], template: str = "synthetic",
               answer_format: str = "boxed") -> list[tuple[str, str]]:
     """Supervised warm-start pairs ``(prompt, completion)``, e.g. ``("23+45=", "\\boxed{68}")``.
 
-    ``answer_format``: ``"boxed"`` (``\\boxed{68}``) or ``"plain"`` (``68``). The completion carries no end
-    token: the trainer appends the tokenizer's EOS.
+    The completion is the example's worked solution (``extras["solution"]``, e.g. the reasoning task's) where it
+    has one, else its answer in ``answer_format``: ``"boxed"`` (``\\boxed{68}``) or ``"plain"`` (``68``). It
+    carries no end token: the trainer appends the tokenizer's EOS.
     """
     if answer_format not in ("boxed", "plain"):
         raise ValueError(f"answer_format must be 'boxed' or 'plain', got {answer_format!r}")
     pairs = []
     for example in examples:
-        completion = f"\\boxed{{{example.answer}}}" if answer_format == "boxed" else example.answer
+        completion = example.extras.get("solution") or (
+            f"\\boxed{{{example.answer}}}" if answer_format == "boxed" else example.answer)
         pairs.append((render(template, example.problem), completion))
     return pairs
+
+
+register_generated_task(GeneratedTask(
+    name=DATA_SOURCE, make=lambda num_problems, seed: make_synthetic_task(num_problems, seed=seed),
+    description="one-step integer arithmetic, 1-3 digit answers (the CPU default)"))

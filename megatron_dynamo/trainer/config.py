@@ -56,13 +56,18 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Training prompts: ``train`` is a dataset name (e.g. dapo_math_17k), a JSONL or parquet path (verl's RL
-    parquet layout too), or "synthetic" (the seeded arithmetic task of the CPU default, ``synthetic_problems``
-    problems). ``data_dir`` holds local files (``dynamo data prepare NAME --out DIR`` writes them).
+    parquet layout too), or a generated task of ``synthetic_problems`` problems: "synthetic" (the seeded
+    arithmetic of the CPU default) or "reasoning" (running sums written out, the ablation testbed's task; its
+    held-out split is the benchmark ``reasoning_test``). ``data_dir`` holds local files (``dynamo data prepare
+    NAME --out DIR`` writes them). ``sft_problems``: the supervised warm-up's own problems, drawn from the same
+    generated task with seed ``seed + 1`` (so the warm-up teaches the task, not the answers of the RL prompts);
+    0: the warm-up trains on the RL prompts.
     ``prompts_per_step`` is the generation batch (paper: 512). ``template`` is the prompt template."""
 
     train: str = "dapo_math_17k"
     data_dir: str | None = None
     synthetic_problems: int = 256
+    sft_problems: int = 0
     prompts_per_step: int = 512
     template: str = "qwen_math_boxed"
     max_prompt_tokens: int = 2048
@@ -75,6 +80,13 @@ class DataConfig:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.synthetic_problems < 1:
             raise ValueError(f"synthetic_problems must be >= 1, got {self.synthetic_problems}")
+        if self.sft_problems < 0:
+            raise ValueError(f"sft_problems must be >= 0 (0: the training prompts), got {self.sft_problems}")
+        from megatron_dynamo.data.dataset import GENERATED_TASKS
+
+        if self.sft_problems and self.train not in GENERATED_TASKS:
+            raise ValueError(f"sft_problems draws problems from a generated task ({', '.join(GENERATED_TASKS)}); "
+                             f"train is {self.train!r}: set sft_problems to 0")
 
 
 @dataclass(frozen=True)
@@ -154,10 +166,11 @@ PACK_SEQUENCES = ("auto", True, False)
 class TrainerConfig:
     """The loop. ``mini_batch_prompts`` prompts (with all their responses) make one optimizer step (paper: PPO
     mini-batch 32 of a generation batch of 512); ``micro_batch_size`` sequences go through the model at once;
-    ``ppo_epochs`` passes over the rollout. ``sft_warmup_steps`` supervised steps on the reference answers come
-    first, ``sft_batch_size`` sequences each (used by the synthetic CPU default so that rewards are not all 0);
-    ``warmup_steps`` is the learning-rate
-    warm-up (paper: 10)."""
+    ``ppo_epochs`` passes over the rollout. ``sft_warmup_steps`` supervised steps on the reference answers (a
+    task's worked solution where it has one) come first, ``sft_batch_size`` sequences each (used by the synthetic
+    CPU tasks so that rewards are not all 0); ``steps: 0`` runs only that warm-up and saves it as checkpoint step 0
+    (``dynamo ablate`` starts every variant of a seed from it). ``warmup_steps`` is the learning-rate warm-up
+    (paper: 10)."""
 
     steps: int = 100
     mini_batch_prompts: int = 32
@@ -174,10 +187,10 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
 
     def validate(self) -> None:
-        for name in ("steps", "mini_batch_prompts", "micro_batch_size", "ppo_epochs", "sft_batch_size"):
+        for name in ("mini_batch_prompts", "micro_batch_size", "ppo_epochs", "sft_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "sft_warmup_steps", "micro_batch_tokens"):
+        for name in ("steps", "warmup_steps", "sft_warmup_steps", "micro_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pack_sequences not in PACK_SEQUENCES:

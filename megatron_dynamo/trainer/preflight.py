@@ -74,8 +74,10 @@ def _check_checkpoint(path: str) -> None:
 
 
 def _check_dataset(key: str, name: str, data_dir: str | None) -> None:
-    from megatron_dynamo.data.dataset import DatasetNotAvailableError, resolve_dataset_path
+    from megatron_dynamo.data.dataset import DatasetNotAvailableError, generated_test_split, resolve_dataset_path
 
+    if generated_test_split(name) is not None:
+        return
     try:
         resolve_dataset_path(name, data_dir)
     except DatasetNotAvailableError as exc:
@@ -98,7 +100,9 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size:
                           "'char' for the synthetic task's character tokenizer)")
     if run.data.data_dir is not None and not Path(run.data.data_dir).expanduser().is_dir():
         raise ConfigError(f"data.data_dir: no such directory: {run.data.data_dir}")
-    if run.data.train != "synthetic":
+    from megatron_dynamo.data.dataset import GENERATED_TASKS
+
+    if run.data.train not in GENERATED_TASKS:
         _check_dataset("data.train", run.data.train, run.data.data_dir)
     elif run.data.synthetic_problems < run.data.prompts_per_step:
         raise ConfigError(f"data.prompts_per_step ({run.data.prompts_per_step}) exceeds data.synthetic_problems "

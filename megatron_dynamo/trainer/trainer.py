@@ -48,11 +48,10 @@ def build_tokenizer(run: RunConfig, output_dir: Path):
 
 
 def load_examples(run: RunConfig):
-    if run.data.train == "synthetic":
-        from megatron_dynamo.data.synthetic import make_synthetic_task
+    from megatron_dynamo.data.dataset import GENERATED_TASKS, load_math_jsonl
 
-        return make_synthetic_task(run.data.synthetic_problems, seed=run.data.seed)
-    from megatron_dynamo.data.dataset import load_math_jsonl
+    if run.data.train in GENERATED_TASKS:
+        return GENERATED_TASKS[run.data.train].make(run.data.synthetic_problems, run.data.seed)
 
     return list(load_math_jsonl(run.data.train, data_dir=run.data.data_dir))
 
@@ -210,12 +209,17 @@ class Trainer:
         run = self.run
         if run.trainer.sft_warmup_steps == 0:
             return []
-        pairs = sft_pairs(self.examples, template=run.data.template, answer_format="plain")
+        examples = self.examples
+        if run.data.sft_problems:  # the warm-up's own problems of the same task (config: generated tasks only)
+            from megatron_dynamo.data.dataset import GENERATED_TASKS
+
+            examples = GENERATED_TASKS[run.data.train].make(run.data.sft_problems, run.data.seed + 1)
+        pairs = sft_pairs(examples, template=run.data.template, answer_format="plain")
         samples = []
         for i, (prompt, answer) in enumerate(pairs):
             p = tuple(self.tokenizer.encode(prompt, add_special_tokens=False))
             a = tuple(self.tokenizer.encode(answer, add_special_tokens=False)) + (self.tokenizer.eos_token_id,)
-            samples.append(Sample(i, self.examples[i].id, p, a, reward=1.0, advantage=1.0))
+            samples.append(Sample(i, examples[i].id, p, a, reward=1.0, advantage=1.0))
         set_learning_rate(self.actor, run.trainer.sft_lr)
         generator = torch.Generator().manual_seed(run.trainer.seed)
         batch = run.trainer.sft_batch_size
@@ -276,6 +280,8 @@ class Trainer:
                 eval_metrics = self.evaluate(0)  # every rank: the problems are split over all engines
                 if logger is not None:
                     logger.log(0, eval_metrics)
+            if run.trainer.steps == 0 and latest is None:  # the warm-up alone: its model is the run's result
+                self.save(0)
             for step in range(start_step + 1, run.trainer.steps + 1):
                 signum = agreed_stop_signal()  # every rank, so all stop after the same step
                 if signum:
