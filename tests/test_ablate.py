@@ -147,15 +147,19 @@ def test_table_rows_follow_the_paper_order_with_its_labels():
 STEPS = 6
 
 
+RECIPE_SEED = 77  # the recipe's trainer.seed: the seed of a shared SFT warm-up
+
+
 class FakeTrainer:
     """Stands in for `dynamo train`: writes metrics.jsonl / prompts.jsonl / checkpoints like a run, with values
     that depend only on (variant, seed, step); refuses to overwrite checkpoints without --resume, continues from
     the latest one with it. ``interrupt``: (call number, step): raise KeyboardInterrupt after that step's
     checkpoint, as Ctrl-C would stop the real trainer."""
 
-    def __init__(self, interrupt=None):
+    def __init__(self, interrupt=None, sft_per_seed=True):
         self.calls = []
         self.interrupt = interrupt
+        self.sft_per_seed = sft_per_seed
 
     def __call__(self, command, env, log_path):
         self.calls.append(list(command))
@@ -184,7 +188,9 @@ class FakeTrainer:
             save(0)
             return 0
         assert kv["evaluation.every"] == str(STEPS) and kv["trainer.sft_warmup_steps"] == "0"
-        assert kv["model.checkpoint"].endswith(os.path.join(f"sft/seed{seed}/checkpoints", "step_000000"))
+        sft_seed = seed if self.sft_per_seed else RECIPE_SEED
+        assert kv["model.checkpoint"].endswith(os.path.join(f"sft/seed{sft_seed}/checkpoints", "step_000000"))
+        assert os.path.isdir(kv["model.checkpoint"])  # its SFT run came first
         dra, gc, ums = (kv[k] == "true" for k in ablate.VARIANT_KEYS[:3])
         power = float(kv["dynamo.allocation.power"])
         start = saved[-1] if resume and saved else 0
@@ -219,7 +225,7 @@ class FakeTrainer:
 @pytest.fixture
 def recipe(tmp_path):
     values = yaml.safe_load(open(os.path.join(REPO, "configs", "cpu_default.yaml")))
-    values["trainer"].update(steps=STEPS, sft_warmup_steps=5, output_dir=str(tmp_path / "ignored"))
+    values["trainer"].update(steps=STEPS, sft_warmup_steps=5, output_dir=str(tmp_path / "ignored"), seed=RECIPE_SEED)
     values["evaluation"] = {"benchmarks": ["held"], "n": 4, "k": [4]}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(values))
@@ -228,8 +234,10 @@ def recipe(tmp_path):
 
 def _args(recipe, out, *extra):
     # as `dynamo` parses a command line: key=value words after an option join the overrides
+    per_seed = [] if "--shared-sft" in extra else ["--sft-per-seed"]
+    extra = [e for e in extra if e != "--shared-sft"]
     args, rest = build_parser().parse_known_args(["ablate", recipe, "--output-dir", str(out), "--bootstrap", "200",
-                                                  *extra])
+                                                  *per_seed, *extra])
     assert all("=" in item for item in rest)
     args.overrides = [*args.overrides, *rest]
     return args
@@ -296,6 +304,21 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
     assert (out / "ablation.png").stat().st_size > 0 and (out / "report" / "report.html").is_file()
     plan = json.loads((out / ablate.PLAN_FILE).read_text())
     assert plan["seeds"] == [1, 2] and plan["budget"]["rollouts_per_step"] == 32 * 8
+
+
+def test_one_shared_warm_up_starts_every_seed(recipe, tmp_path, capsys):
+    fake = FakeTrainer(sft_per_seed=False)
+    out = tmp_path / "s"
+    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", "grpo,dynamo", "--shared-sft"),
+                      launch=fake) == 0
+    kinds = [_kind(c) for c in fake.calls]
+    assert kinds[0] == ("sft", RECIPE_SEED, False) and len(kinds) == 1 + 2 * 2
+    assert sorted(kinds[1:]) == [("dynamo", 1, False), ("dynamo", 2, False), ("grpo", 1, False), ("grpo", 2, False)]
+    assert "1 shared SFT warm-up" in capsys.readouterr().out
+    sft = _analysis(out)["per_variant"]["sft"]
+    assert sft["runs"] == 2 and sft["pass@1"]["mean"] == pytest.approx(0.1 + 0.01 * RECIPE_SEED)
+    assert sft["pass@1"]["lo"] == sft["pass@1"]["hi"] == pytest.approx(sft["pass@1"]["mean"])  # one model
+    assert json.loads((out / ablate.PLAN_FILE).read_text())["budget"]["sft"] == "shared"
 
 
 def test_jobs_run_concurrently_with_their_own_cores(recipe, tmp_path):

@@ -16,11 +16,13 @@ dynamo.modulation.ums (UMS, update-magnitude stabilisation), dynamo.allocation.p
 Runs, per seed S (trainer.seed=S; data.seed stays the recipe's, so every seed trains and evaluates on the same
 problems), each a subprocess ``python -m megatron_dynamo.cli train RECIPE [key=value ...] <run keys> --algo
 dynamo`` writing to its own directory (its console output in train.log):
- 1. SFT warm-up, when the recipe has trainer.sft_warmup_steps > 0: once per seed, trainer.steps=0 and
-    evaluation.at_start=true (the warm-up alone, evaluated, saved as checkpoint step 0) -> <out>/sft/seed<S>/.
-    Every variant of the seed starts from that checkpoint (model.checkpoint=<it>, trainer.sft_warmup_steps=0,
-    evaluation.at_start=false): the same policy for all, the warm-up paid once per seed. Its held-out pass@1 is
-    the "SFT start" row.
+ 1. SFT warm-up, when the recipe has trainer.sft_warmup_steps > 0: trainer.steps=0 and evaluation.at_start=true
+    (the warm-up alone, evaluated, saved as checkpoint step 0). By default one warm-up, with the recipe's own
+    trainer.seed, is the base model of every run (as the paper starts every run from one base model) ->
+    <out>/sft/seed<recipe seed>/; with --sft-per-seed each seed warms up its own -> <out>/sft/seed<S>/. Every
+    variant starts from its warm-up's checkpoint (model.checkpoint=<it>, trainer.sft_warmup_steps=0,
+    evaluation.at_start=false): the same policy for all variants of a seed, the warm-up paid once. Its held-out
+    pass@1 is the "SFT start" row.
  2. every variant: evaluation.every=trainer.steps, so the trainer evaluates the final model on the recipe's
     evaluation.benchmarks (the held-out split) with the run's own engine (the code path of ``dynamo eval``) and
     logs eval/<bench>/pass@<k> and eval/avg/pass@<k> on the last step's row -> <out>/runs/<variant>/seed<S>/.
@@ -29,7 +31,8 @@ n_avg rollouts per step, steps) are equal, the recipe names evaluation.benchmark
 The command sets trainer.seed, trainer.output_dir, evaluation.every and the four variant keys itself (passing
 them is an error).
 
---jobs N runs up to N runs at once (the SFT run of a seed before its variants; seed-major order). With N > 1
+--jobs N runs up to N runs at once (a shared SFT run first and alone, on every core; a per-seed SFT run before the
+variants of its seed; seed-major order). With N > 1
 each run gets its own share of the cores (cores // N, pinned with CPU affinity; OMP_NUM_THREADS and
 MKL_NUM_THREADS set to it); N = 1 leaves the environment as it is. N > 1 is refused for recipes with
 rollout.tensor_parallel > 1 (vLLM's CPU shared-memory names would collide between runs). Progress: a line per run start and end with
@@ -99,6 +102,9 @@ def add_arguments(parser) -> None:
                         help="steps in the trailing moving mean compared with the threshold (default 5)")
     parser.add_argument("--bootstrap", type=int, default=10000,
                         help="bootstrap resamples of the 95%% CIs (default 10000; the RNG is seeded)")
+    parser.add_argument("--sft-per-seed", action="store_true",
+                        help="one SFT warm-up per seed (trainer.seed = the seed) instead of one shared by all seeds "
+                             "(the recipe's trainer.seed): seed-to-seed spread then includes the warm-up's")
     parser.add_argument("--output-dir", default="outputs/ablate",
                         help="where runs, ablation.md/.json/.png, report/ and ablation_plan.json go "
                              "(default outputs/ablate)")
@@ -112,6 +118,7 @@ class RunSpec:
     variant: str
     seed: int
     output_dir: str
+    sft_seed: int | None = None  # a variant: the seed of the SFT run it starts from (None: no SFT run)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -131,13 +138,18 @@ def run_dir(output_dir: str, variant: str, seed: int) -> str:
     return os.path.join(output_dir, "runs", variant, f"seed{seed}")
 
 
-def plan_runs(output_dir: str, seeds: Sequence[int], variants: Sequence[str], with_sft: bool) -> list[RunSpec]:
-    """Seed-major: for each seed its SFT run (when the recipe warms up), then its variants."""
+def plan_runs(output_dir: str, seeds: Sequence[int], variants: Sequence[str], with_sft: bool,
+              shared_sft_seed: int | None = None) -> list[RunSpec]:
+    """Seed-major: for each seed its SFT run (when the recipe warms up), then its variants; with
+    ``shared_sft_seed``, one SFT run (that seed) first, the start of every variant of every seed."""
     specs = []
+    if with_sft and shared_sft_seed is not None:
+        specs.append(RunSpec(SFT, shared_sft_seed, run_dir(output_dir, SFT, shared_sft_seed)))
     for seed in seeds:
-        if with_sft:
+        sft_seed = None if not with_sft else seed if shared_sft_seed is None else shared_sft_seed
+        if sft_seed == seed and shared_sft_seed is None:
             specs.append(RunSpec(SFT, seed, run_dir(output_dir, SFT, seed)))
-        specs.extend(RunSpec(v, seed, run_dir(output_dir, v, seed)) for v in variants)
+        specs.extend(RunSpec(v, seed, run_dir(output_dir, v, seed), sft_seed) for v in variants)
     return specs
 
 
@@ -363,8 +375,10 @@ def execute(specs: Sequence[RunSpec], steps: int, command_for: Callable[[RunSpec
         """"go", "wait", or "skip" (its SFT run failed)."""
         if spec.is_sft:
             return "go"
-        sft = results.get((SFT, spec.seed))
-        if any(s.key == (SFT, spec.seed) for s in specs) and sft is None:
+        if spec.sft_seed is None:
+            return "go"
+        sft = results.get((SFT, spec.sft_seed))
+        if any(s.key == (SFT, spec.sft_seed) for s in specs) and sft is None:
             return "wait"
         return "skip" if sft is not None and not sft.ok else "go"
 
@@ -381,7 +395,7 @@ def execute(specs: Sequence[RunSpec], steps: int, command_for: Callable[[RunSpec
                 continue
             pending.remove(spec)
             if state == "skip":
-                finish(RunResult(spec, "skipped", message=f"its SFT run (seed {spec.seed}) failed"))
+                finish(RunResult(spec, "skipped", message=f"its SFT run (seed {spec.sft_seed}) failed"))
                 continue
             resume = run_state(spec, steps) == "resume"
             try:
@@ -474,6 +488,9 @@ def collect(specs: Sequence[RunSpec], results: Mapping[tuple[str, int], RunResul
         records, prompts = read_run(spec.output_dir)
         summaries[spec.key] = run_summary(records, None if spec.is_sft else prompts, eval_step=0 if spec.is_sft
                                           else steps, k=k, threshold=threshold, window=window, budget=budget)
+    for spec in specs:  # a shared warm-up is every seed's start: its row holds the one model for each seed
+        if spec.sft_seed is not None and (SFT, spec.sft_seed) in summaries:
+            summaries.setdefault((SFT, spec.seed), summaries[(SFT, spec.sft_seed)])
     return summaries
 
 
@@ -487,7 +504,7 @@ def write_outputs(output_dir: str, *, specs: Sequence[RunSpec], results: Mapping
     settings_line = (f"Recipe `{settings['config']}` {' '.join(settings['overrides']) or '(no overrides)'}; "
                      f"{len(seeds)} seed(s) {', '.join(map(str, seeds))}; budget {settings['budget_per_step']} "
                      f"rollouts/step x {settings['steps']} steps = {budget} rollouts per run; SFT warm-up "
-                     f"{settings['sft_warmup_steps']} steps per seed; held-out evaluation on "
+                     f"{settings['sft_warmup_steps']} steps ({settings['sft']}); held-out evaluation on "
                      f"{', '.join(settings['benchmarks'])} (n={settings['eval_n']}); threshold "
                      f"{settings['threshold']:g} on the {settings['window']}-step moving mean of reward_mean.")
     failed = [r for r in results.values() if not r.ok]
@@ -574,11 +591,13 @@ def run(args, launch: Launch | None = None) -> int:
                              "concurrent runs would share vLLM's CPU shared-memory names; use --jobs 1")
         # Every run's config, before any compute (as the runs will load it, paths included).
         probe_seed = seeds[0]
+        shared_sft_seed = None if args.sft_per_seed else base.trainer.seed
         configs = {}
-        sft_dir = run_dir(args.output_dir, SFT, probe_seed)
+        sft_dir = run_dir(args.output_dir, SFT, shared_sft_seed if shared_sft_seed is not None else probe_seed)
         if with_sft:
-            configs[SFT] = load_run_config(args.config, run_overrides(RunSpec(SFT, probe_seed, sft_dir), overrides,
-                                                                      steps))
+            configs[SFT] = load_run_config(args.config, run_overrides(
+                RunSpec(SFT, shared_sft_seed if shared_sft_seed is not None else probe_seed, sft_dir), overrides,
+                steps))
         placeholder = os.path.join(sft_dir, "checkpoints", "step_000000") if with_sft else None
         for v in variants:
             spec = RunSpec(v, probe_seed, run_dir(args.output_dir, v, probe_seed))
@@ -593,7 +612,8 @@ def run(args, launch: Launch | None = None) -> int:
     budget = per_step * steps
     k = max(configs[variants[0]].evaluation.k)
     plan = plan_record(args.config, overrides, to_dict(base), {"rollouts_per_step": per_step, "steps": steps,
-                                                               "sft_warmup_steps": base.trainer.sft_warmup_steps},
+                                                               "sft_warmup_steps": base.trainer.sft_warmup_steps,
+                                                               "sft": "per seed" if args.sft_per_seed else "shared"},
                        seeds, variants)
     plan_path = os.path.join(args.output_dir, PLAN_FILE)
     try:
@@ -608,21 +628,22 @@ def run(args, launch: Launch | None = None) -> int:
     with open(plan_path, "w", encoding="utf-8") as f:
         json.dump(merged, f, indent=1)
 
-    specs = plan_runs(args.output_dir, seeds, variants, with_sft)
+    specs = plan_runs(args.output_dir, seeds, variants, with_sft, shared_sft_seed)
 
     def command_for(spec: RunSpec, resume: bool) -> list[str]:
         checkpoint = None
-        if with_sft and not spec.is_sft:
-            checkpoint = sft_checkpoint(run_dir(args.output_dir, SFT, spec.seed))
+        if spec.sft_seed is not None:
+            checkpoint = sft_checkpoint(run_dir(args.output_dir, SFT, spec.sft_seed))
             if checkpoint is None:
-                raise RuntimeError(f"the SFT run of seed {spec.seed} left no checkpoint")
+                raise RuntimeError(f"the SFT run of seed {spec.sft_seed} left no checkpoint")
         return train_command(args.config, run_overrides(spec, overrides, steps, checkpoint), resume=resume)
 
     slots = cpu_slots(args.jobs)
     env_for = lambda slot: child_environment(os.environ, args.jobs, slots[slot])  # noqa: E731
     launcher = launch or SubprocessLauncher()
     print(f"dynamo ablate: {args.config}: {len(variants)} variant(s) x {len(seeds)} seed(s)"
-          f"{' + 1 SFT warm-up per seed' if with_sft else ''} = {len(specs)} runs of {steps} steps, "
+          f"{(' + 1 SFT warm-up per seed' if args.sft_per_seed else ' + 1 shared SFT warm-up') if with_sft else ''}"
+          f" = {len(specs)} runs of {steps} steps, "
           f"{per_step} rollouts/step; {args.jobs} at once"
           + (f" ({len(slots[0])} core(s) each)" if args.jobs > 1 else "") + f" -> {args.output_dir}", flush=True)
 
@@ -667,8 +688,16 @@ def run(args, launch: Launch | None = None) -> int:
     if in_main:
         signal.signal(signal.SIGTERM, on_term)
     try:
-        results = execute(specs, steps, command_for, launcher, jobs=args.jobs, env_for=env_for, report=report,
-                          announce=announce)
+        # A shared warm-up runs first and alone, on every core (no other run can start before it ends).
+        shared = [s for s in specs if s.is_sft] if shared_sft_seed is not None else []
+        results = execute(shared, steps, command_for, launcher, jobs=1, report=report, announce=announce,
+                          env_for=lambda slot: child_environment(os.environ, 1, None)) if shared else {}
+        rest = [s for s in specs if s not in shared]
+        if shared and not results[shared[0].key].ok:
+            results.update({s.key: RunResult(s, "skipped", message="the shared SFT run failed") for s in rest})
+        else:
+            results.update(execute(rest, steps, command_for, launcher, jobs=args.jobs, env_for=env_for,
+                                   report=report, announce=announce))
     except AblationInterrupted as exc:
         print(f"dynamo ablate: {exc}", file=sys.stderr)
         return 130
@@ -683,6 +712,7 @@ def run(args, launch: Launch | None = None) -> int:
     settings = {"config": args.config, "overrides": overrides, "seeds": seeds, "variants": variants,
                 "budget_per_step": per_step, "steps": steps, "budget": budget,
                 "sft_warmup_steps": base.trainer.sft_warmup_steps, "benchmarks": list(evaluation.benchmarks),
+                "sft": "one per seed" if args.sft_per_seed else f"one shared by all seeds, seed {base.trainer.seed}",
                 "eval_n": evaluation.n, "k": k, "threshold": args.threshold, "window": args.window,
                 "bootstrap": args.bootstrap, "jobs": args.jobs,
                 "variant_overrides": {v: list(VARIANTS[v].overrides()) for v in variants}}
