@@ -194,6 +194,10 @@ def test_metrics_jsonl_holds_exactly_the_documented_keys(uninterrupted):
                           if not documented[p].startswith("only") and not any(r.fullmatch(k) for k in logged))
     assert not undocumented and not never_logged, (undocumented, never_logged)
     assert not any(k.count("/") > 1 and k.split("/")[0] == k.split("/")[1] for k in logged)  # no reward/reward/...
+    # eq. 3: beta_comp >= 1 on every positive-advantage token, so its mean over them too (a micro-batch without
+    # positive tokens has no mean to add)
+    compensation = [m["modulation/beta_comp_mean_pos"] for m in metrics if "modulation/beta_comp_mean_pos" in m]
+    assert compensation and min(compensation) >= 1.0
 
 
 def _wandb_records(path):

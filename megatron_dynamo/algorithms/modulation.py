@@ -320,7 +320,10 @@ def modulate_advantages(advantages: torch.Tensor, entropy: torch.Tensor, logp: t
         factors = modulation_factors(inputs, cfg, scope)
         compensation, stabilisation = factors.beta_comp, factors.beta_stab
         if cfg.gc:
-            stats["modulation/beta_comp_mean_pos"] = masked_mean(compensation, valid & (token_advantages > 0))
+            positive = valid & (token_advantages > 0)
+            stats["modulation/beta_comp_mean_pos"] = masked_mean(compensation, positive)
+            # its weight when averaged over micro-batches: a micro-batch without positive tokens holds no mean
+            stats["modulation/beta_comp_mean_pos/num_tokens"] = positive.sum()
         if cfg.ums:
             stats["modulation/beta_stab_mean"] = masked_mean(stabilisation, valid)
             stats["modulation/beta_stab_min"] = stabilisation.min() if stabilisation.numel() \

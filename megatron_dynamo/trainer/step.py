@@ -376,10 +376,12 @@ class StepRunner:
                     for r in results:
                         n = float(r.get("actor/num_tokens", 0.0))
                         for key, value in r.items():
-                            # Token-weighted means; the token counts themselves are weights, not metrics.
+                            # Token-weighted means; the token counts themselves are weights, not metrics. A mean
+                            # over a subset of the tokens comes with its own count, "<key>/num_tokens".
                             if key.startswith(("actor/", "modulation/")) and not key.endswith("/num_tokens"):
+                                w = float(r.get(f"{key}/num_tokens", n))
                                 s, c = local.get(key, (0.0, 0.0))
-                                local[key] = (s + float(value) * n, c + n)
+                                local[key] = (s + float(value) * w, c + w)
                     # Micro-batch losses carry the global denominator: their sum over micro-batches and DP ranks
                     # is the mini-batch loss; count each update once (on DP rank 0).
                     s, c = local.get("loss", (0.0, 0.0))
