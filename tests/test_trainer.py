@@ -297,6 +297,28 @@ def test_training_run_writes_metrics_checkpoints_and_plot(uninterrupted):
 
 
 @pytest.mark.slow
+def test_a_warm_up_only_run_is_the_start_of_the_next(tmp_path):
+    """trainer.steps=0: the warm-up alone, saved as step 0 (what dynamo ablate shares between variants); a run
+    started from that checkpoint without a warm-up holds the very same policy: its evaluation before step 1 draws
+    the same responses as the warm-up run's evaluation after it."""
+    evaluation = _eval_args(tmp_path)
+    at_start = [a for a in evaluation if not a.startswith("evaluation.every")]
+    _train(tmp_path / "sft", "trainer.steps=0", *at_start)
+    checkpoint = tmp_path / "sft" / "checkpoints" / "step_000000"
+    assert checkpoint.is_dir() and sorted(p.name for p in (tmp_path / "sft" / "checkpoints").iterdir()) == [
+        "latest", "step_000000"]
+    metrics, _ = _train(tmp_path / "rl", "trainer.steps=1", "trainer.sft_warmup_steps=0",
+                        f"model.checkpoint={checkpoint}", *at_start)
+    assert [m["step"] for m in metrics] == [0, 1]
+
+    def samples(run):
+        with open(tmp_path / run / "eval" / "step_000000" / "samples.jsonl") as f:
+            return sorted((r["problem_id"], r["sample_index"], r["response"]) for r in map(json.loads, f))
+
+    assert samples("sft") == samples("rl") and len(samples("sft")) == 8 * 4
+
+
+@pytest.mark.slow
 def test_resume_continues_exactly(uninterrupted, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
