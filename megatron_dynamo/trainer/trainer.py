@@ -223,6 +223,8 @@ class Trainer:
         set_learning_rate(self.actor, run.trainer.sft_lr)
         generator = torch.Generator().manual_seed(run.trainer.seed)
         batch = run.trainer.sft_batch_size
+        # A long warm-up (minutes) shows its progress every tenth; a short one only its final line.
+        report_every = run.trainer.sft_warmup_steps // 10 if run.trainer.sft_warmup_steps >= 200 else 0
         losses = []
         for step in range(run.trainer.sft_warmup_steps):
             order = torch.randperm(len(samples), generator=generator)[:batch].tolist()
@@ -237,6 +239,9 @@ class Trainer:
             loss = torch.tensor([sum(float(r["loss"]) for r in results) if own else 0.0], device=self.actor.device)
             dist.all_reduce(loss)  # the last stage's DP ranks hold the parts of the token mean
             losses.append(loss.item())
+            if self.rank == 0 and report_every and (step + 1) % report_every == 0 \
+                    and step + 1 < run.trainer.sft_warmup_steps:
+                log.info("SFT warm-up: step %d/%d, loss %.3f", step + 1, run.trainer.sft_warmup_steps, losses[-1])
         set_learning_rate(self.actor, run.optim.lr)
         if self.rank == 0:
             log.info("SFT warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
