@@ -197,8 +197,10 @@ def _init_external_group() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     else:  # share the cores between the ranks of this machine
+        from megatron_dynamo.cpus import threads_per_rank
+
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+        torch.set_num_threads(threads_per_rank(local))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=launch.rank,
                             world_size=launch.world_size,
                             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",

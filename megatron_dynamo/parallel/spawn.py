@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_dynamo.cpus import threads_per_rank
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -54,8 +56,9 @@ def _worker(rank, world_size, port, out_dir, fn, args, describe, parent_pid=None
     die_with_parent(signal.SIGKILL, parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    # Share the machine's cores between the ranks instead of each rank taking them all.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # Share this process's cores (its affinity, e.g. one `dynamo ablate --jobs` slot) between the ranks instead of
+    # each rank taking them all.
+    torch.set_num_threads(threads_per_rank(world_size))
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         if torch.cuda.is_available():  # GPU machines: one device per rank, NCCL (what Megatron needs there)

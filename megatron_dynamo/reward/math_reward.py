@@ -49,6 +49,8 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
+from megatron_dynamo.cpus import usable_cpu_count
+
 logger = logging.getLogger(__name__)
 
 #: Every reason a response can receive, in reporting order.
@@ -478,20 +480,12 @@ class _VerifierPool:
 # Public API.
 
 
-def _usable_cpu_count() -> int:
-    """CPUs this process may run on (respects affinity masks set by containers and job schedulers)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def reward_workers_per_scorer(tensor_parallel: int = 1, cap: int = 4) -> int:
     """Reward worker processes for one engine leader: the cores this process may use shared among the engines of
     its node (``LOCAL_WORLD_SIZE / tensor_parallel`` leaders score at the same time), at most ``cap``, at least 1."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     leaders = max(1, local_ranks // max(1, tensor_parallel))
-    return max(1, min(cap, _usable_cpu_count() // leaders))
+    return max(1, min(cap, usable_cpu_count() // leaders))
 
 
 @dataclass
@@ -560,7 +554,7 @@ class MathRewardScorer:
                  require_boxed: bool = False, max_batch_seconds: float | None = None,
                  start_method: str = "spawn"):
         if num_workers is None:
-            num_workers = min(4, _usable_cpu_count())
+            num_workers = min(4, usable_cpu_count())
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if int(timeout_seconds) != timeout_seconds or timeout_seconds < 1:
