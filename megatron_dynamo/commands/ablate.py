@@ -146,9 +146,11 @@ def plan_runs(output_dir: str, seeds: Sequence[int], variants: Sequence[str], wi
     if with_sft and shared_sft_seed is not None:
         specs.append(RunSpec(SFT, shared_sft_seed, run_dir(output_dir, SFT, shared_sft_seed)))
     for seed in seeds:
-        sft_seed = None if not with_sft else seed if shared_sft_seed is None else shared_sft_seed
-        if sft_seed == seed and shared_sft_seed is None:
-            specs.append(RunSpec(SFT, seed, run_dir(output_dir, SFT, seed)))
+        sft_seed = None
+        if with_sft:
+            sft_seed = seed if shared_sft_seed is None else shared_sft_seed
+            if shared_sft_seed is None:
+                specs.append(RunSpec(SFT, seed, run_dir(output_dir, SFT, seed)))
         specs.extend(RunSpec(v, seed, run_dir(output_dir, v, seed), sft_seed) for v in variants)
     return specs
 
@@ -592,12 +594,12 @@ def run(args, launch: Launch | None = None) -> int:
         # Every run's config, before any compute (as the runs will load it, paths included).
         probe_seed = seeds[0]
         shared_sft_seed = None if args.sft_per_seed else base.trainer.seed
+        probe_sft_seed = probe_seed if shared_sft_seed is None else shared_sft_seed
         configs = {}
-        sft_dir = run_dir(args.output_dir, SFT, shared_sft_seed if shared_sft_seed is not None else probe_seed)
+        sft_dir = run_dir(args.output_dir, SFT, probe_sft_seed)
         if with_sft:
-            configs[SFT] = load_run_config(args.config, run_overrides(
-                RunSpec(SFT, shared_sft_seed if shared_sft_seed is not None else probe_seed, sft_dir), overrides,
-                steps))
+            configs[SFT] = load_run_config(args.config, run_overrides(RunSpec(SFT, probe_sft_seed, sft_dir),
+                                                                      overrides, steps))
         placeholder = os.path.join(sft_dir, "checkpoints", "step_000000") if with_sft else None
         for v in variants:
             spec = RunSpec(v, probe_seed, run_dir(args.output_dir, v, probe_seed))

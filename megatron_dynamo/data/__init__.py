@@ -6,7 +6,7 @@
 - ``hub`` (imported on use: it pulls in ``datasets``): ``prepare`` converts a hub dataset to the JSONL rows.
 - ``templates``: prompt template registry (``qwen_math_boxed`` default, ``plain``, ``plain_boxed``, ``synthetic``).
 - ``synthetic``: ``make_synthetic_task`` (seeded integer arithmetic with spread difficulty), ``sft_pairs``.
-- ``reasoning``: ``make_reasoning_task`` (running sums written out step by step, 21-81 tokens; held-out split
+- ``reasoning``: ``make_reasoning_task`` (running sums written out step by step, 20-71 tokens; held-out split
   ``reasoning_test``), the task of the CPU ablation testbed.
 - Generated tasks register in ``GENERATED_TASKS`` (``data.train: synthetic`` / ``reasoning``).
 - ``tokenizer``: ``build_char_tokenizer`` (imported lazily: it pulls in ``transformers``).
@@ -52,8 +52,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "BENCHMARKS", "CHARACTERS", "DATASETS", "DATA_DIR_ENV", "DEFAULT_TEMPLATE", "DatasetNotAvailableError",
-    "DatasetSpec", "GENERATED_TASKS", "GeneratedTask", "MathDataset", "MathExample", "PromptSampler", "PromptTemplate", "SPECIAL_TOKENS",
-    "SYNTHETIC_LEVELS", "SkippedRow", "build_char_tokenizer", "get_template", "list_templates", "load_math_file",
-    "load_math_jsonl", "make_reasoning_task", "make_synthetic_task", "register_template", "render", "resolve_dataset_path", "save_char_tokenizer",
-    "sft_pairs",
+    "DatasetSpec", "GENERATED_TASKS", "GeneratedTask", "MathDataset", "MathExample", "PromptSampler", "PromptTemplate",
+    "SPECIAL_TOKENS", "SYNTHETIC_LEVELS", "SkippedRow", "build_char_tokenizer", "get_template", "list_templates",
+    "load_math_file", "load_math_jsonl", "make_reasoning_task", "make_synthetic_task", "register_template", "render",
+    "resolve_dataset_path", "save_char_tokenizer", "sft_pairs",
 ]

@@ -155,7 +155,6 @@ class GeneratedTask:
     name: str
     make: Callable[[int, int], list[MathExample]]
     test: Callable[[], list[MathExample]] | None = None
-    description: str = ""
 
 
 #: name -> task; filled by the modules that define them (``data/synthetic.py``, ``data/reasoning.py``).

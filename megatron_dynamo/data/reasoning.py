@@ -1,18 +1,18 @@
 """The synthetic reasoning task of the CPU ablation testbed: running sums written out step by step.
 
-A problem is a chain of one-digit terms added or subtracted left to right, e.g. ``7+5+9-3``; the worked solution
-writes every running total on its own line and boxes the last one::
+A problem is a chain of one-digit terms added or subtracted left to right, e.g. ``7+5+9-3``; each line of the
+worked solution is the previous expression with its first operation done, and the last line boxes the total::
 
-    7+5+9-3=  ->  7+5=12
-                  12+9=21
-                  21-3=18
+    7+5+9-3=  ->  12+9-3
+                  21-3
                   \\boxed{18}
 
-One line per operation, so a chain of ``k`` terms needs ``k - 1`` correct lines: 21 to 81 generated characters
-(tokens, with the character tokenizer) for ``k`` = 3..10, plus the end token. Each line is easy, but an error anywhere changes the
-final total, so the per-prompt success rate falls with the chain length: short chains are almost always solved,
-the longest almost never, many lie in between (the regime where the allocation of rollouts matters), and the
-token-level modulation has long responses to act on. Running totals stay in 0..99.
+One line per operation, so a chain of ``k`` terms needs ``k - 1`` correct lines: 19 to 70 generated characters
+(tokens, with the character tokenizer), 20 to 71 with the end token, for ``k`` = 4..8. Each line is easy (copy the
+rest, add or subtract one digit), but an error anywhere changes the final total, so the per-prompt success rate
+falls with the chain length, and many prompts lie between always and never solved (the regime where the
+allocation of rollouts matters); the token-level modulation has long responses to act on. Running totals stay in
+0..99.
 
 Splits: a problem belongs to the held-out split when the first byte of the SHA-256 of its text is below
 :data:`TEST_BUCKET` (about a tenth of all problems), else to the training split, so the two are disjoint for
@@ -113,5 +113,4 @@ register_generated_task(GeneratedTask(
     name=DATA_SOURCE,
     make=lambda num_problems, seed: make_reasoning_task(num_problems, seed, "train"),
     test=lambda: make_reasoning_task(TEST_SIZE, TEST_SEED, "test"),
-    description="running sums of 3-10 one-digit terms, every step written out (21-81 tokens)",
 ))

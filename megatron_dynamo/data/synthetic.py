@@ -154,5 +154,4 @@ def sft_pairs(examples: Sequence[MathExample], template: str = "synthetic",
 
 
 register_generated_task(GeneratedTask(
-    name=DATA_SOURCE, make=lambda num_problems, seed: make_synthetic_task(num_problems, seed=seed),
-    description="one-step integer arithmetic, 1-3 digit answers (the CPU default)"))
+    name=DATA_SOURCE, make=lambda num_problems, seed: make_synthetic_task(num_problems, seed=seed)))
