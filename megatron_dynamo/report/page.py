@@ -33,6 +33,7 @@ import textwrap
 from typing import Any, Sequence
 
 from megatron_dynamo.report import runs as R
+from megatron_dynamo.report.thresholds import tail_mean
 
 COLUMNS = 3
 # Success-rate bins (low, high]: all wrong and all right on their own (DRA's P = 0 prompts), the rest in fifths.
@@ -345,10 +346,10 @@ def final_numbers(run: R.Run) -> dict[str, Any]:
     _, rollouts = R.series(run, "rollouts")
     row["rollouts"] = int(sum(rollouts)) if rollouts else None
     for what in ("reward", "entropy", "response_length"):
-        row[f"{what} (last 10%)"] = R.tail_mean(R.series(run, what)[1])
+        row[f"{what} (last 10%)"] = tail_mean(R.series(run, what)[1])
     ratios = R.series(run, "variance_ratio")[1]
     row["variance_ratio (mean)"] = sum(ratios) / len(ratios) if ratios else None
-    row["modulation scale (last 10%)"] = R.tail_mean(R.series(run, "scale_mean")[1])
+    row["modulation scale (last 10%)"] = tail_mean(R.series(run, "scale_mean")[1])
     evaluations = R.eval_series(run)
     if evaluations:
         row["last eval step"] = max(steps[-1] for steps, _ in evaluations.values())

@@ -275,8 +275,3 @@ def moving_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def tail_mean(values: Sequence[float], fraction: float = 0.1) -> float | None:
-    if not values:
-        return None
-    k = max(1, int(round(len(values) * fraction)))
-    return sum(values[-k:]) / k
