@@ -126,7 +126,11 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
         path = path.strip()
         if not path:
             raise ConfigError(f"override '{item}' has an empty key")
-        parsed = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            parsed = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(exc)}); quote it, "
+                              f"e.g. {path}='\"...\"'") from None
         node = values
         parts = path.split(".")
         for part in parts[:-1]:
@@ -141,9 +145,26 @@ def _deep_copy(values: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in (values or {}).items()}
 
 
+def _yaml_problem(exc: yaml.YAMLError, path: str | None = None) -> str:
+    """One line for a YAML parse error: ``path:line:column: YAML syntax error: problem`` with a file, else
+    ``line L, column C: problem`` (1-based, as editors count)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = (getattr(exc, "problem", None) or str(exc).splitlines()[0]) + (
+        f" ({exc.context})" if getattr(exc, "context", None) else "")
+    if mark is None:
+        return f"{path}: YAML syntax error: {problem}" if path else problem
+    if path is not None:
+        return f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {problem}"
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
 def load_yaml(path: str) -> dict[str, Any]:
+    """The recipe's sections as a dict; a syntax error is a :class:`ConfigError` naming the file and line."""
     with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(_yaml_problem(exc, path)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return data

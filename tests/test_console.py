@@ -38,18 +38,22 @@ def test_cpu_default_console_is_one_line_per_step(tmp_path):
 def test_progress_line_has_the_eta_of_the_steps_left(monkeypatch, capsys):
     from megatron_dynamo.trainer import metrics
 
-    clock = iter([100.0, 110.0, 130.0])  # start, after step 5 (10 s), after step 6 (30 s)
+    clock = iter([100.0, 110.0, 130.0, 140.0])  # start, after step 5 (10 s), step 6 (20 s), step 7 (10 s)
     monkeypatch.setattr(metrics, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(clock))}))
     progress = metrics.StepProgress(total_steps=10, done_steps=4, bar=False)
     record = {"reward_mean": 0.5, "rollouts": 64, "alloc_min": 2, "alloc_max": 12, "variance_ratio": 0.8,
               "entropy_mean": 1.2, "grad_norm": 0.3, "step_seconds": 10.0}
     first = progress.update({"step": 5, **record})
     second = progress.update({"step": 6, **record})
+    third = progress.update({"step": 7, **record})
     progress.close()
+    # The first step a process runs carries vLLM's one-time start-up (the CPU default: 14 s against 0.8 s): no ETA
+    # from it (that said 14 minutes for a 50-s run).
     assert first == ("step 5/10 | reward 0.500 | rollouts 64 [2-12] | var-ratio 0.80 | H 1.200 | gnorm 0.300 | "
-                     "10.0s | ETA 00:50")  # 10 s per step, 5 steps left
-    assert second.endswith("| ETA 01:00")  # 15 s per step (2 steps in 30 s), 4 left
-    assert capsys.readouterr().out.splitlines() == [first, second]
+                     "10.0s | ETA --:--")
+    assert second.endswith("| ETA 01:20")  # 20 s per step after the first, 4 left
+    assert third.endswith("| ETA 00:45")  # 15 s per step (2 steps in 30 s), 3 left
+    assert capsys.readouterr().out.splitlines() == [first, second, third]
     assert metrics.progress_line({"step": 7, "skipped": "non-finite loss"}, 10, "00:30").endswith(
         "| -s | ETA 00:30 | SKIPPED: non-finite loss")
 

@@ -498,11 +498,11 @@ def test_a_data_set_smaller_than_a_step_is_refused_before_the_model(tmp_path):
     path.write_text("".join(json.dumps({"id": i, "problem": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(5)))
     run = load_run_config(CPU_DEFAULT, ["data.train=" + str(path), "data.prompts_per_step=8",
                                         "trainer.mini_batch_prompts=8", f"trainer.output_dir={tmp_path / 'run'}"])
-    check_run_inputs(run)  # the file exists; its size is known once it is read, when the trainer starts
+    check_run_inputs(run)  # the file exists; its size is checked with the prompts (check_training_prompts)
     proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT,
                            f"trainer.output_dir={tmp_path / 'run'}", "data.train=" + str(path),
                            "data.prompts_per_step=8", "trainer.mini_batch_prompts=8"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 1 and "data.train has 5 usable prompts, fewer than data.prompts_per_step (8)" in \
+    assert proc.returncode == 2 and "data.train has 5 usable prompts, fewer than data.prompts_per_step (8" in \
         proc.stderr, proc.stderr[-2000:]
-    assert not (tmp_path / "run" / "rollout_model").exists()  # failed before the engine was built
+    assert not (tmp_path / "run").exists()  # failed before any rank started: nothing written

@@ -9,8 +9,10 @@
 `prepare` fetches the hub dataset with the `datasets` library (its cache, HF_HOME / HF_DATASETS_CACHE and
 HF_HUB_OFFLINE / HF_DATASETS_OFFLINE apply), converts each row of the hub schema (see megatron_dynamo/data/hub.py)
 to id, problem, answer, answer_candidates (accepted forms), data_source, and writes <out>/<registry file name>
-atomically: the file `data.train=NAME` / `data.data_dir=<out>` and `dynamo eval --benchmarks NAME --data-dir <out>`
-find by name. Dropped rows are counted, one line per reason. Without network and cache it says in one line what to
+atomically. Without --out it writes into the default data directory ($MEGATRON_DYNAMO_DATA_DIR, else data/), which
+`data list` shows and where `dynamo train data.train=NAME`, `evaluation.benchmarks`, `dynamo eval --benchmarks NAME`
+and `dynamo ablate` find NAME with no further flag; another --out DIR is given to them as data.data_dir=DIR /
+--data-dir DIR. Dropped rows are counted, one line per reason. Without network and cache it says in one line what to
 download and where to put it, and exits 2.
 
 The trainer and `dynamo eval` also read parquet files directly, including verl's RL parquet layout (prompt as chat
@@ -38,7 +40,8 @@ def add_arguments(parser) -> None:
                               "layout, or problem/question with answer/final_answer/ground_truth/boxed solution)")
     prepare.add_argument("--out", default=None, metavar="DIR",
                          help="directory to write <registry file name> into (default $MEGATRON_DYNAMO_DATA_DIR, "
-                              "else data/); give it to training as data.data_dir and to `dynamo eval --data-dir`")
+                              "else data/, where training and eval look by default); another DIR: give it to training as "
+                              "data.data_dir and to `dynamo eval --data-dir`")
     prepare.add_argument("--split", default=None, metavar="S",
                          help="hub split to read (default: the registry's, e.g. train for DAPO-Math-17k, test for "
                               "MATH-500); with --from: the split inside a save_to_disk DatasetDict or a hub snapshot")
@@ -55,10 +58,9 @@ def add_arguments(parser) -> None:
 
 
 def _list(args) -> int:
-    from megatron_dynamo.data.dataset import DATASETS
-    from megatron_dynamo.data.hub import default_out_dir
+    from megatron_dynamo.data.dataset import DATASETS, default_data_dir
 
-    out = Path(args.out) if args.out is not None else default_out_dir()
+    out = Path(args.out) if args.out is not None else default_data_dir()
     for spec in DATASETS.values():
         where = f"{spec.hub_id} ({spec.hub_split}" + (f", {spec.hub_config})" if spec.hub_config else ")")
         state = "present" if (out / spec.filename).is_file() else "missing"

@@ -10,7 +10,8 @@ once, into the output directory), a training run's checkpoints/ directory or the
 checkpoint). --tokenizer takes a directory or a hub id too.
 Benchmarks: aime24, aime25, amc23, math500, minerva, olympiadbench ("all": the six, the default), any registered
 dataset name, or a JSONL / parquet path of the same shape (verl's RL parquet layout too); named ones are read from
---data-dir / $MEGATRON_DYNAMO_DATA_DIR, where `dynamo data prepare NAME --out DIR` puts them.
+--data-dir, else the default data directory ($MEGATRON_DYNAMO_DATA_DIR, else data/), where `dynamo data prepare NAME`
+puts them.
 
 Output (--output): samples.jsonl (one line per sample: benchmark, problem id, sample index, response, extracted
 answer, correct), summary.json (per benchmark and averaged: pass@1 and pass@k, problems, samples, settings), and
@@ -49,10 +50,14 @@ def add_arguments(parser) -> None:
                         help=f"comma-separated names or JSONL / parquet paths; 'all' = {','.join(BENCHMARKS)}")
     parser.add_argument("--data-dir", default=None, metavar="DIR",
                         help="directory holding the benchmark files, as `dynamo data prepare --out` writes them "
-                             "(default: $MEGATRON_DYNAMO_DATA_DIR)")
+                             "(default: $MEGATRON_DYNAMO_DATA_DIR, else data/, where `dynamo data prepare` writes)")
     parser.add_argument("--output", default=None, metavar="DIR",
-                        help="output directory (default: outputs/eval/<checkpoint name>); resumes if it holds "
-                             "part of the same evaluation")
+                        help="output directory (default: outputs/eval/<checkpoint name>-<hash of its path>, so "
+                             "two runs' step_N never share one); resumes if it holds part of the same evaluation, "
+                             "and a finished one is shown again, not redone (--overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="evaluate again even when the output directory holds this evaluation finished (its "
+                             "samples and summary are replaced; a cached conversion of the same checkpoint is kept)")
     parser.add_argument("--n", type=int, default=32, help="samples per problem (paper: 32)")
     parser.add_argument("--k", default=None, metavar="LIST",
                         help="comma-separated k for pass@k besides pass@1 (default: n)")
@@ -108,14 +113,17 @@ def _eval_config(args, template: str):
 
 
 def _launched_externally() -> bool:
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or "SLURM_PROCID" in os.environ
+    from megatron_dynamo.parallel.runtime import launcher
+
+    return launcher() != "single"
 
 
 def _external_rank() -> tuple[int, int]:
     """(rank, world size) under torchrun / srun."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_NTASKS", 1))
+    from megatron_dynamo.parallel.runtime import detect_launch
+
+    launch = detect_launch()
+    return launch.rank, launch.world_size
 
 
 @dataclass(frozen=True)
@@ -252,7 +260,21 @@ def run(args) -> int:
         return fail(exc)
     # A hub id's snapshot directory is named by its commit: outputs and the table use the model's name.
     name = str(args.checkpoint).rstrip("/").split("/")[-1] if is_hub_reference(args.checkpoint) else source.name
-    output = Path(args.output or Path("outputs") / "eval" / name)
+    output = Path(args.output or default_output(source, name))
+    finished = None if args.overwrite else finished_evaluation(output, _identity(source), args)
+    if finished is not None:
+        if rank == 0:
+            print(f"dynamo eval: {output} already holds this evaluation of {source} (finished); showing it "
+                  "(--overwrite evaluates again)")
+            print(format_table([(args.label or name, finished)]))
+            print(f"\n{output / 'samples.jsonl'}\n{output / 'summary.json'}")
+        return 0
+    if args.overwrite and rank == 0:
+        _forget_results(output)
+    other = _other_model(output, source)
+    if other is not None:  # before any conversion writes into it
+        return fail(f"{output} holds the evaluation of another model ({other}); choose another --output or pass "
+                    "--overwrite to replace it")
 
     from megatron_dynamo.parallel.process_guard import start_guard
 
@@ -290,12 +312,73 @@ def run(args) -> int:
                 dist.destroy_process_group()
     if rank != 0:
         return 0
+    _record_finished(output, _identity(source), args)
     print(format_table([(args.label or name, summary)]))
     rate = summary["problems_per_second"]
     print(f"\n{output / 'samples.jsonl'}\n{output / 'summary.json'}"
           + (f"\n{summary['generated_problems']} problems generated in {summary['seconds']:.1f} s "
              f"({rate:.2f} problems/s)" if rate else ""))
     return 0
+
+
+FINISHED_FILE = "finished.json"
+#: The arguments a finished evaluation depends on (the others, --nproc, --problems-per-batch..., change no sample).
+_RESULT_ARGS = ("benchmarks", "data_dir", "n", "k", "temperature", "top_p", "max_tokens", "template", "seed",
+                "answer_only", "limit", "tokenizer", "max_model_len", "dtype")
+
+
+def default_output(source: Path, name: str) -> Path:
+    """``outputs/eval/<name>-<8 hex of the checkpoint's absolute path>``: every checkpoint its own directory."""
+    import hashlib
+
+    return Path("outputs") / "eval" / f"{name}-{hashlib.sha256(str(source).encode()).hexdigest()[:8]}"
+
+
+def _identity(source: Path) -> str:
+    from megatron_dynamo.eval.model_source import checkpoint_identity
+
+    return f"{source}:{checkpoint_identity(source)}"
+
+
+def _result_args(args) -> dict[str, Any]:
+    return {key: getattr(args, key) for key in _RESULT_ARGS}
+
+
+def finished_evaluation(output: Path, identity: str, args) -> dict[str, Any] | None:
+    """The summary of ``output`` when it holds a finished evaluation of this checkpoint (same path and files) with
+    these arguments, else None."""
+    from megatron_dynamo.eval.runner import SUMMARY_FILE
+
+    try:
+        record = json.loads((output / FINISHED_FILE).read_text(encoding="utf-8"))
+        summary = json.loads((output / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    same = record.get("checkpoint") == identity and record.get("args") == json.loads(json.dumps(_result_args(args)))
+    return summary if same else None
+
+
+def _other_model(output: Path, source: Path) -> str | None:
+    from megatron_dynamo.eval.runner import SETTINGS_FILE
+
+    try:
+        model = json.loads((output / SETTINGS_FILE).read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model if model not in (None, str(source)) else None
+
+
+def _record_finished(output: Path, identity: str, args) -> None:
+    (output / FINISHED_FILE).write_text(json.dumps({"checkpoint": identity, "args": _result_args(args)}, indent=2)
+                                        + "\n", encoding="utf-8")
+
+
+def _forget_results(output: Path) -> None:
+    """--overwrite: the samples, settings and summary go (a cached conversion stays: it is keyed by identity)."""
+    from megatron_dynamo.eval.runner import SAMPLES_FILE, SETTINGS_FILE, SUMMARY_FILE
+
+    for name in (FINISHED_FILE, SUMMARY_FILE, SAMPLES_FILE, SETTINGS_FILE):
+        (output / name).unlink(missing_ok=True)
 
 
 def _prepare(args, config, source, output: Path, rank: int, fail, collective: bool):

@@ -49,7 +49,9 @@ def add_arguments(parser) -> None:
 
 
 def _launched_externally() -> bool:
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or "SLURM_PROCID" in os.environ
+    from megatron_dynamo.parallel.runtime import launcher
+
+    return launcher() != "single"
 
 
 def launch_training(run, resume: bool, nproc: int | None = None) -> None:
@@ -108,13 +110,15 @@ def run(args) -> int:
     from megatron_dynamo.config import ConfigError
     from megatron_dynamo.trainer.config import load_run_config
 
-    from megatron_dynamo.trainer.preflight import check_run_inputs
+    from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts
 
     try:
         cfg = load_run_config(args.config, args.overrides, algo=args.algo)
-        # Missing files: one line now, not a traceback after the ranks start. Hub ids are resolved here, once:
-        # the ranks get the local snapshot directories.
-        cfg = check_run_inputs(cfg, world_size=_world_size(cfg, args.nproc))
+        # Missing files, an output directory holding another run, too few or too long prompts: one line now
+        # (exit 2, nothing written), not a traceback after the ranks start. Hub ids are resolved here, once: the
+        # ranks get the local snapshot directories.
+        cfg = check_run_inputs(cfg, world_size=_world_size(cfg, args.nproc), resume=args.resume)
+        prompt_note = check_training_prompts(cfg)
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 2
@@ -127,6 +131,8 @@ def run(args) -> int:
     if int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) == 0:
         print(f"dynamo train: {args.config} ({args.algo}{', resumed' if args.resume else ''}), "
               f"{cfg.trainer.steps} steps -> {cfg.trainer.output_dir}", flush=True)
+        if prompt_note:
+            print(f"dynamo train: {prompt_note}", flush=True)
     from megatron_dynamo.parallel import stop_signals
     from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.step import RolloutError

@@ -22,7 +22,7 @@ Decisions:
 - Duplicate ids are an error by default (two prompts sharing an id would share the DRA history); with
   ``on_duplicate_id="suffix"`` the later row becomes ``<id>#line<N>`` (stable for a given file).
 - Datasets are named by their public hub id; at run time the product reads local files only (no network):
-  a path, or ``data_dir`` / ``$MEGATRON_DYNAMO_DATA_DIR`` holding the registry's file name (or the same stem
+  a path, or ``data_dir`` / ``$MEGATRON_DYNAMO_DATA_DIR`` / ``data/`` holding the registry's file name (or the same stem
   with ``.parquet``). ``dynamo data prepare NAME`` (``data/hub.py``) writes that file from the hub dataset.
 """
 
@@ -41,6 +41,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 DATA_DIR_ENV = "MEGATRON_DYNAMO_DATA_DIR"
+#: The data directory when none is given and $MEGATRON_DYNAMO_DATA_DIR is unset (relative to the working directory):
+#: where `dynamo data prepare` writes, `dynamo data list` looks and named datasets are found.
+DEFAULT_DATA_DIR = "data"
 _MAX_LOGGED_SKIPS = 20
 _KNOWN_FIELDS = ("id", "problem", "answer", "answer_candidates", "data_source")
 #: File suffixes read as parquet (everything else is read as JSON lines).
@@ -149,12 +152,18 @@ class MathDataset(Sequence[MathExample]):
 @dataclass(frozen=True)
 class GeneratedTask:
     """A task generated with a seed instead of read from a file (the CPU tasks). ``data.train: <name>`` trains on
-    ``make(data.synthetic_problems, data.seed)``; with ``test``, the dataset name ``<name>_test`` is its fixed
-    held-out split (for ``evaluation.benchmarks`` and ``dynamo eval --benchmarks``)."""
+    ``make(data.synthetic_problems, data.seed)``; with ``test``, the dataset name ``test_name`` (default
+    ``<name>_test``) is its fixed evaluation split (for ``evaluation.benchmarks`` and ``dynamo eval --benchmarks``;
+    no file)."""
 
     name: str
     make: Callable[[int, int], list[MathExample]]
     test: Callable[[], list[MathExample]] | None = None
+    test_name: str | None = None
+
+    @property
+    def benchmark_name(self) -> str:
+        return self.test_name or f"{self.name}{TEST_SPLIT_SUFFIX}"
 
 
 #: name -> task; filled by the modules that define them (``data/synthetic.py``, ``data/reasoning.py``).
@@ -167,9 +176,9 @@ def register_generated_task(task: GeneratedTask) -> None:
 
 
 def generated_test_split(name: str) -> GeneratedTask | None:
-    """The task whose held-out split ``name`` is (``reasoning_test``), else None."""
-    task = GENERATED_TASKS.get(name.removesuffix(TEST_SPLIT_SUFFIX)) if name.endswith(TEST_SPLIT_SUFFIX) else None
-    return task if task is not None and task.test is not None else None
+    """The task whose evaluation split ``name`` is (``reasoning_test``, ``synthetic_eval``), else None."""
+    return next((task for task in GENERATED_TASKS.values() if task.test is not None and task.benchmark_name == name),
+                None)
 
 
 def _spec_for(name: str) -> DatasetSpec | None:
@@ -183,12 +192,18 @@ def _spec_for(name: str) -> DatasetSpec | None:
     return matches[0] if matches else None
 
 
+def default_data_dir() -> Path:
+    """The one default data directory of ``data prepare``, ``data list`` and the loaders:
+    ``$MEGATRON_DYNAMO_DATA_DIR``, else ``data/`` in the working directory."""
+    return Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
+
+
 def resolve_dataset_path(path_or_name: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> Path:
     """Local JSONL or parquet file for a file path or a dataset name.
 
     A path to an existing file is used as is. A name (``"aime24"``, or a hub id such as
-    ``"BytedTsinghua-SIA/DAPO-Math-17k"``) is looked up in ``data_dir``, else in ``$MEGATRON_DYNAMO_DATA_DIR``,
-    under the registry's file name (an unregistered name under ``<name>.jsonl``), else under the same stem with
+    ``"BytedTsinghua-SIA/DAPO-Math-17k"``) is looked up in ``data_dir``, else in :func:`default_data_dir`
+    (``$MEGATRON_DYNAMO_DATA_DIR``, else ``data/``, where ``dynamo data prepare`` writes), under the registry's file name (an unregistered name under ``<name>.jsonl``), else under the same stem with
     ``.parquet``. Raises :class:`DatasetNotAvailableError` naming the hub id and how to provide the data.
     """
     text = os.fspath(path_or_name)
@@ -201,15 +216,14 @@ def resolve_dataset_path(path_or_name: str | os.PathLike, data_dir: str | os.Pat
     if looks_like_path:
         raise DatasetNotAvailableError(f"dataset file not found: {text}")
 
-    directory = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV)
+    directory = data_dir if data_dir is not None else default_data_dir()
     filename = spec.filename if spec is not None else f"{text}.jsonl"
-    if directory:
-        for name in (filename, *(Path(filename).stem + suffix for suffix in PARQUET_SUFFIXES)):
-            path = Path(directory).expanduser() / name
-            if path.is_file():
-                return path
-    where = f"{filename!r} is not in {os.fspath(directory)!r}" if directory else (
-        f"no data directory was given (data_dir or ${DATA_DIR_ENV})")
+    for name in (filename, *(Path(filename).stem + suffix for suffix in PARQUET_SUFFIXES)):
+        path = Path(directory).expanduser() / name
+        if path.is_file():
+            return path
+    where = f"{filename!r} is not in {os.fspath(directory)!r}" + ("" if data_dir is not None else (
+        f" (the default data directory: ${DATA_DIR_ENV}, else {DEFAULT_DATA_DIR}/)"))
     if spec is None:
         known = ", ".join(sorted(DATASETS))
         raise DatasetNotAvailableError(
@@ -219,8 +233,8 @@ def resolve_dataset_path(path_or_name: str | os.PathLike, data_dir: str | os.Pat
     raise DatasetNotAvailableError(
         f"dataset {spec.name!r} is not available locally: {where}. It is the public hub dataset {hub}; "
         f"nothing is downloaded at run time. Run `dynamo data prepare {spec.name} --out DIR` (it fetches and "
-        f"converts it; --from FILE converts a downloaded copy) to write DIR/{spec.filename} and give DIR as "
-        f"data_dir or ${DATA_DIR_ENV}, or pass the path of a JSONL / parquet file (rows with id, problem, answer, "
+        f"converts it; --from FILE converts a downloaded copy) to write DIR/{spec.filename} (default DIR: the "
+        f"default data directory, found with no flag; another DIR: give it as data_dir or ${DATA_DIR_ENV}), or pass the path of a JSONL / parquet file (rows with id, problem, answer, "
         f"or verl's layout).")
 
 

@@ -52,22 +52,21 @@ from __future__ import annotations
 
 import json
 import os
+import contextlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from megatron_dynamo.data.dataset import (
-    DATA_DIR_ENV,
     DATASETS,
     DatasetSpec,
     _spec_for,
     _validate_row,
+    default_data_dir,
     is_verl_row,
     verl_user_text,
 )
-
-DEFAULT_OUT_DIR = "data"
 
 # Drop reasons (one summary line each).
 EMPTY_PROBLEM = "empty problem"
@@ -442,19 +441,59 @@ def _offline_message(spec: DatasetSpec, split: str, config: str | None, out_dir:
             f"(or run `dynamo data prepare {spec.name}` there and copy {spec.filename} into {out_dir}/)")
 
 
+HUB_PROBE_SECONDS = 3.0
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_SECONDS) -> str | None:
+    """None when the hub's endpoint (``HF_ENDPOINT``, through the environment's proxies) answers an HTTP request
+    within ``timeout`` seconds (any status), else why not, in a few words: one probe instead of the hub client's
+    retry loop (5 retries, 25 s, 10 lines of log without network)."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"{constants.ENDPOINT} cannot be reached ({reason})"
+    return None
+
+
+@contextlib.contextmanager
+def _offline_mode():
+    """The hub client and ``datasets`` in offline mode (cache only, no retries) for the duration."""
+    import datasets
+    from huggingface_hub import constants
+
+    saved = (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE)
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved
+
+
 def fetch_hub_rows(spec: DatasetSpec, split: str, config: str | None, out_dir: Path):
     """The split of the hub dataset through ``datasets.load_dataset`` (cache first; offline settings honoured).
-    Raises :class:`HubUnavailableError` (one line: what to download and where) when it cannot be had."""
+    Unless offline mode is set already, one quick probe of the hub (:func:`hub_unreachable`) decides: unreachable,
+    the cache alone is read (offline mode), so no retry loop runs. Raises :class:`HubUnavailableError` (one line:
+    what to download and where) when it cannot be had."""
     datasets = _datasets()
+    unreachable = None if datasets.config.HF_HUB_OFFLINE else hub_unreachable()
     try:
-        dataset = datasets.load_dataset(spec.hub_id, config, split=split)
+        with _offline_mode() if unreachable else contextlib.nullcontext():
+            dataset = datasets.load_dataset(spec.hub_id, config, split=split)
     except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, hub errors, ValueError...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        network = isinstance(exc, (ConnectionError, TimeoutError)) or any(
+        network = unreachable is not None or isinstance(exc, (ConnectionError, TimeoutError)) or any(
             word in f"{type(exc).__name__} {first}".lower()
             for word in ("offline", "connect", "reach", "resolve", "network", "timeout", "localentrynotfound"))
         if network:
-            raise HubUnavailableError(_offline_message(spec, split, config, out_dir, first)) from None
+            raise HubUnavailableError(_offline_message(spec, split, config, out_dir, unreachable or first)) from None
         raise PrepareError(f"could not load {_describe(spec.hub_id, split, config)}: {first}") from None
     return _dataset_rows(dataset)
 
@@ -535,10 +574,6 @@ def read_local_rows(path: Path, split: str, config: str | None) -> tuple[Iterabl
 
 # -------------------------------------------------------------------------------------------------- the command
 
-def default_out_dir() -> Path:
-    return Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_OUT_DIR)
-
-
 def write_jsonl_atomic(rows: Iterable[dict[str, Any]], path: Path) -> None:
     """Write rows as JSON lines to a temporary file beside ``path``, then rename it over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -565,7 +600,7 @@ def prepare(name_or_hub_id: str, out_dir: str | os.PathLike | None = None, split
     spec, registered = resolve_spec(name_or_hub_id)
     split = split or spec.hub_split
     config = config if config is not None else spec.hub_config
-    out = Path(out_dir) if out_dir is not None else default_out_dir()
+    out = Path(out_dir) if out_dir is not None else default_data_dir()
     if from_path is not None:
         rows, source = read_local_rows(Path(from_path), split, config)
         source = f"{source} in {spec.hub_id}'s schema"

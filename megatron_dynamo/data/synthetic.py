@@ -153,5 +153,10 @@ def sft_pairs(examples: Sequence[MathExample], template: str = "synthetic",
     return pairs
 
 
+#: The benchmark ``synthetic_eval``: the CPU default's own 128 problems (data.synthetic_problems 128, data.seed 0),
+#: what README's CPU `dynamo eval` example scores: how well the run learnt its task (not a held-out split).
+SYNTHETIC_EVAL = "synthetic_eval"
+
 register_generated_task(GeneratedTask(
-    name=DATA_SOURCE, make=lambda num_problems, seed: make_synthetic_task(num_problems, seed=seed)))
+    name=DATA_SOURCE, make=lambda num_problems, seed: make_synthetic_task(num_problems, seed=seed),
+    test=lambda: make_synthetic_task(128, seed=0), test_name=SYNTHETIC_EVAL))

@@ -3,8 +3,9 @@
 - an HF model directory (``config.json`` + safetensors): used as it is;
 - a hub id (``Qwen/Qwen2.5-Math-1.5B``): its snapshot in the Hugging Face cache (``models/hub.py``);
 - a Megatron model checkpoint of this project (``megatron_dynamo.json``: the converter's output or one step of a
-  training run): converted to HF once, into ``<eval output>/hf_model`` (reused when the same source was converted
-  before);
+  training run): converted to HF once, into ``<eval output>/hf_model`` (reused while the checkpoint is the same:
+  its path and :func:`checkpoint_identity`, so a later run's checkpoint written at the same path is converted
+  anew);
 - a training run's checkpoint root (``checkpoints/`` with ``latest``) or the run's output directory: its latest
   complete checkpoint.
 
@@ -78,6 +79,20 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                     "complete checkpoint")
 
 
+def checkpoint_identity(path: str | os.PathLike) -> str:
+    """A short fingerprint of what is in a checkpoint directory: every file's relative path, size and modification
+    time (nanoseconds). The same files give the same identity; a checkpoint rewritten at the same path (a new run
+    in the same output directory) another one. Cheap: no file is read."""
+    import hashlib
+
+    root = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        stat = file.stat()
+        digest.update(f"{file.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def prepare_model(path: str | os.PathLike, work_dir: str | os.PathLike,
                   tokenizer: str | os.PathLike | None = None) -> ModelSource:
     """Resolve ``path`` and make sure an HF directory with tokenizer files exists for it (converting a Megatron
@@ -94,13 +109,16 @@ def prepare_model(path: str | os.PathLike, work_dir: str | os.PathLike,
     else:
         hf_dir = Path(work_dir).absolute() / "hf_model"
         stamp = hf_dir / SOURCE_FILE
-        if not (stamp.is_file() and stamp.read_text().strip() == str(source)):
+        identity = f"{source}\n{checkpoint_identity(source)}"
+        if not (stamp.is_file() and stamp.read_text().strip() == identity):
             tokenizer_dir = tokenizer or _run_tokenizer(source)
+            if stamp.is_file():
+                stamp.unlink()  # no stale stamp over a half-written conversion
             try:
                 export_to_hf(source, hf_dir, tokenizer_dir=tokenizer_dir)
             except RuntimeError as exc:
                 raise EvalError(str(exc)) from None
-            stamp.write_text(f"{source}\n")
+            stamp.write_text(f"{identity}\n")
     if tokenizer is None and not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
         raise EvalError(f"{hf_dir} has no tokenizer files; pass --tokenizer DIR")
     return ModelSource(hf_dir, source, is_model_checkpoint(source), training_config)

@@ -62,7 +62,10 @@ class DataConfig:
     NAME --out DIR`` writes them). ``sft_problems``: the supervised warm-up's own problems, drawn from the same
     generated task with seed ``seed + 1`` (so the warm-up teaches the task, not the answers of the RL prompts);
     0: the warm-up trains on the RL prompts.
-    ``prompts_per_step`` is the generation batch (paper: 512). ``template`` is the prompt template."""
+    ``prompts_per_step`` is the generation batch (paper: 512). ``template`` is the prompt template.
+    ``prompt_overflow``: what happens to prompts longer than ``max_prompt_tokens`` (``truncate_left``, the paper's;
+    ``drop``; ``refuse``), checked before the run starts: more than ``max_overflow_share`` of the training prompts
+    cut or dropped stops it (see ``data/prompt_length.py``)."""
 
     train: str = "dapo_math_17k"
     data_dir: str | None = None
@@ -71,6 +74,8 @@ class DataConfig:
     prompts_per_step: int = 512
     template: str = "qwen_math_boxed"
     max_prompt_tokens: int = 2048
+    prompt_overflow: str = "truncate_left"
+    max_overflow_share: float = 0.05
     seed: int = 0
 
     def validate(self) -> None:
@@ -78,6 +83,12 @@ class DataConfig:
             raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
+
+        if self.prompt_overflow not in PROMPT_OVERFLOW:
+            raise ValueError(f"prompt_overflow must be one of {PROMPT_OVERFLOW}, got {self.prompt_overflow!r}")
+        if not 0 <= self.max_overflow_share <= 1:
+            raise ValueError(f"max_overflow_share must lie in [0, 1], got {self.max_overflow_share}")
         if self.synthetic_problems < 1:
             raise ValueError(f"synthetic_problems must be >= 1, got {self.synthetic_problems}")
         if self.sft_problems < 0:
@@ -99,7 +110,9 @@ class RolloutConfig:
     ``offload_training_state``). ``sleep_during_training``: free vLLM's GPU memory between rollouts (vLLM sleep mode
     ``sleep_level`` 2: weights discarded, since every step reloads them; 1: offloaded to host).
     ``offload_training_state``: move Megatron's parameters, gradients and optimizer state to host memory while vLLM
-    generates (GPU; for the large recipes)."""
+    generates (GPU; for the large recipes). ``emulate_sleep`` (tests; CPU only): the CPU engine behaves as CUDA vLLM
+    does in sleep mode: ``sleep_level`` 1 keeps the weights and drops the KV cache, 2 poisons the weights (NaN) until
+    the next weight update, so a wake-up alone restores nothing (``rollout/vllm_engine.py``)."""
 
     engine: str = "vllm"
     tensor_parallel: int = 2
@@ -110,6 +123,7 @@ class RolloutConfig:
     sleep_during_training: bool = True
     sleep_level: int = 2
     offload_training_state: bool = False
+    emulate_sleep: bool = False
 
     def validate(self) -> None:
         from megatron_dynamo.rollout.interface import registered_engines

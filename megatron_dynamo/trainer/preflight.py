@@ -84,11 +84,86 @@ def _check_dataset(key: str, name: str, data_dir: str | None) -> None:
         raise ConfigError(f"{key}: {exc}") from None
 
 
-def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size: int | None = None) -> RunConfig:
+def _check_output_dir(run: RunConfig, resume: bool) -> None:
+    """The output directory can take this run: not a file, and (without ``--resume``) no earlier run's
+    checkpoints in it, which this run would otherwise mix with its own."""
+    from megatron_dynamo.trainer.checkpoint import list_checkpoints
+
+    output = Path(run.trainer.output_dir).expanduser()
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"trainer.output_dir: {output} exists and is not a directory")
+    root = Path(run.checkpoint.dir).expanduser() if run.checkpoint.dir else output / "checkpoints"
+    if not resume and root.is_dir() and list_checkpoints(root):
+        raise ConfigError(f"{root} already holds checkpoints of an earlier run: pass --resume to continue it, or "
+                          "choose another trainer.output_dir (nothing was written)")
+
+
+def _tokenizer(run: RunConfig):
+    if run.model.tokenizer == "char":
+        from megatron_dynamo.data.tokenizer import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(run.model.tokenizer)
+
+
+def small_data_fix(num_prompts: int, prompts_per_step: int, mini_batch_prompts: int) -> dict[str, int]:
+    """Overrides that make a step fit ``num_prompts`` prompts: ``data.prompts_per_step`` the largest multiple of
+    ``trainer.mini_batch_prompts`` that fits, or both set to ``num_prompts`` when not even one mini-batch fits."""
+    if num_prompts >= prompts_per_step:
+        return {}
+    if num_prompts >= mini_batch_prompts:
+        return {"data.prompts_per_step": num_prompts // mini_batch_prompts * mini_batch_prompts}
+    return {"data.prompts_per_step": num_prompts, "trainer.mini_batch_prompts": num_prompts}
+
+
+def check_training_prompts(run: RunConfig) -> str | None:
+    """The training prompts against the step size and the prompt-length policy (``data.prompt_overflow``), before
+    any rank starts. Raises :class:`ConfigError` (one line naming every key to change); returns the console line
+    about long prompts, or None."""
+    from megatron_dynamo.data.prompt_length import (PromptLengthReport, check_prompt_overflow, fitting_examples,
+                                                    prompt_token_lengths)
+    from megatron_dynamo.trainer.trainer import load_examples
+
+    try:
+        examples = load_examples(run)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.train: {exc}") from None
+    lengths = prompt_token_lengths(examples, _tokenizer(run), run.data.template)
+    report = PromptLengthReport.of(lengths, run.data.max_prompt_tokens)
+    try:
+        note = check_prompt_overflow(report, run.data.prompt_overflow, run.data.max_overflow_share)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if run.data.prompt_overflow == "drop":
+        examples = fitting_examples(examples, lengths, run.data.max_prompt_tokens)
+    fix = small_data_fix(len(examples), run.data.prompts_per_step, run.trainer.mini_batch_prompts)
+    if fix:
+        size = "data.synthetic_problems" if run.data.train in _generated_tasks() else "data.train"
+        raise ConfigError(f"{size} has {len(examples)} usable prompts, fewer than data.prompts_per_step "
+                          f"({run.data.prompts_per_step}; a step never holds a prompt twice): run with "
+                          f"{' '.join(f'{k}={v}' for k, v in fix.items())}"
+                          + (f" (trainer.mini_batch_prompts must divide data.prompts_per_step)"
+                             if len(fix) > 1 else ""))
+    return note
+
+
+def _generated_tasks():
+    from megatron_dynamo.data.dataset import GENERATED_TASKS
+
+    return GENERATED_TASKS
+
+
+def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size: int | None = None,
+                     resume: bool | None = None) -> RunConfig:
     """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used (with
-    ``world_size``, also a layout that does not divide it); return ``run`` with hub ids resolved to local
-    directories (:func:`resolve_run_models`), which is what the ranks get."""
+    ``world_size``, also a layout that does not divide it; with ``resume`` given, an output directory that cannot
+    take the run); return ``run`` with hub ids resolved to local directories (:func:`resolve_run_models`), which is
+    what the ranks get. :func:`check_training_prompts` checks the prompts themselves."""
     run = resolve_run_models(run, local_only)
+    if resume is not None:
+        _check_output_dir(run, resume)
     if run.model.config is not None:
         _check_model_config(run.model.config)
     if run.model.checkpoint is not None:

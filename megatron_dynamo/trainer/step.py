@@ -97,13 +97,18 @@ class StepRunner:
 
     # ------------------------------------------------------------------ stages
     def _prompts(self, examples) -> list[tuple[int, ...]]:
+        from megatron_dynamo.data.prompt_length import fit_prompt
         from megatron_dynamo.data.templates import render
 
         out = []
+        self.prompts_truncated = 0
         for example in examples:
             ids = self.tokenizer.encode(render(self.template, example.problem), add_special_tokens=False)
-            # Left-truncate long prompts (paper: prompts left-truncated to the max prompt length).
-            out.append(tuple(ids[-self.run.data.max_prompt_tokens:]))
+            # Left-truncate long prompts (paper: prompts left-truncated to the max prompt length); data.prompt_overflow
+            # decided before the run whether any may be cut (data/prompt_length.py).
+            ids, cut = fit_prompt(ids, self.run.data.max_prompt_tokens)
+            self.prompts_truncated += cut
+            out.append(ids)
         return out
 
     @contextmanager
@@ -218,6 +223,7 @@ class StepRunner:
             "variance_ratio": float(variance_ratio),
             "alloc_counts": [int(c) for c in counts],
             "reward/prompts_solved_frac": _solved_fraction(response_ids, rewards),
+            "data/prompts_truncated": self.prompts_truncated,
             **update_metrics,
             **reward_metrics,
             **sync_stats,

@@ -133,6 +133,12 @@ class Trainer:
             raise TrainingError(f"model vocab_size {self.hf_config['vocab_size']} is smaller than the tokenizer "
                                 f"({len(self.tokenizer)} tokens)")
         self.examples = load_examples(run)  # before the model: a data set too small for a step fails first
+        if run.data.prompt_overflow == "drop":  # long prompts left out (the launcher's preflight accepted the share)
+            from megatron_dynamo.data.prompt_length import fitting_examples, prompt_token_lengths
+
+            self.examples = fitting_examples(self.examples, prompt_token_lengths(self.examples, self.tokenizer,
+                                                                                 run.data.template),
+                                             run.data.max_prompt_tokens)
         if len(self.examples) < run.data.prompts_per_step:
             raise TrainingError(f"data.train has {len(self.examples)} usable prompts, fewer than data.prompts_per_step "
                                 f"({run.data.prompts_per_step}): a step never holds a prompt twice")

@@ -1,0 +1,201 @@
+"""Issue 25, first contact: what a new user does after the main job (their own data, the README's commands, typos)
+works or stops before anything runs with one line and exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_dynamo.config import ConfigError
+from megatron_dynamo.trainer.config import load_run_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_DEFAULT = os.path.join(REPO, "configs", "cpu_default.yaml")
+
+
+def _dynamo(*args, cwd=REPO, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})
+
+
+def _one_line_exit_2(proc, prefix: str, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert proc.stdout == "", proc.stdout  # no header: nothing started
+    return lines[0]
+
+
+def _gsm8k_hub_file(path, rows: int, words: int = 1):
+    """GSM8K's hub schema: question, answer with a '#### N' final line."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(rows):
+            question = " ".join(["Tom has"] * words) + f" {i} apples and buys 2 more. How many?"
+            f.write(json.dumps({"question": question, "answer": f"{i}+2={i + 2}\n#### {i + 2}"}) + "\n")
+
+
+def _flat_file(path, rows: int, problem=lambda i: f"{i}+1"):
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(rows):
+            f.write(json.dumps({"id": i, "problem": problem(i), "answer": str(i + 1)}) + "\n")
+
+
+# 1 ----------------------------------------------------------------------------------------------------------------
+def test_prepared_data_is_found_by_name_with_no_flag(tmp_path, monkeypatch):
+    from megatron_dynamo.data.dataset import DATA_DIR_ENV, load_math_jsonl, resolve_dataset_path
+    from megatron_dynamo.trainer.preflight import check_run_inputs
+
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    _gsm8k_hub_file(tmp_path / "hub.jsonl", 40)
+    proc = _dynamo("data", "prepare", "gsm8k_train", "--from", str(tmp_path / "hub.jsonl"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    listed = _dynamo("data", "list", cwd=tmp_path).stdout
+    assert any(line.startswith("gsm8k_train") and line.endswith("[present]") for line in listed.splitlines())
+    monkeypatch.chdir(tmp_path)
+    assert resolve_dataset_path("gsm8k_train") == tmp_path.joinpath("data", "gsm8k_train.jsonl").relative_to(tmp_path)
+    assert len(load_math_jsonl("gsm8k_train")) == 40  # what dynamo eval --benchmarks and evaluation.benchmarks read
+    run = load_run_config(CPU_DEFAULT, ["data.train=gsm8k_train", f"trainer.output_dir={tmp_path / 'run'}",
+                                        f"model.config={REPO}/configs/models/tiny-qwen2.json"])
+    check_run_inputs(run)  # before: "no data directory was given"
+    # the environment variable and an explicit directory still win
+    (tmp_path / "other").mkdir()
+    _flat_file(tmp_path / "other" / "gsm8k_train.jsonl", 3)
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "other"))
+    assert len(load_math_jsonl("gsm8k_train")) == 3
+    assert len(load_math_jsonl("gsm8k_train", data_dir=tmp_path / "data")) == 40
+
+
+# 2 ----------------------------------------------------------------------------------------------------------------
+def test_long_prompts_are_counted_and_a_run_that_would_cut_most_is_refused(tmp_path):
+    from megatron_dynamo.data.prompt_length import PromptLengthReport, check_prompt_overflow
+    from megatron_dynamo.trainer.preflight import check_training_prompts
+
+    _gsm8k_hub_file(tmp_path / "hub.jsonl", 64)
+    assert _dynamo("data", "prepare", "gsm8k_train", "--from", str(tmp_path / "hub.jsonl"), "--out",
+                   str(tmp_path / "data")).returncode == 0
+    proc = _dynamo("train", CPU_DEFAULT, f"trainer.output_dir={tmp_path / 'run'}", "data.train=gsm8k_train",
+                   f"data.data_dir={tmp_path / 'data'}")
+    _one_line_exit_2(proc, "dynamo train: ", "64 of 64 training prompts", "data.max_prompt_tokens=16",
+                     "data.max_overflow_share")
+    assert not (tmp_path / "run").exists()
+    # the policy itself: a small share is cut and reported, drop, refuse
+    report = PromptLengthReport.of([5, 20, 8, 9] + [10] * 16, max_tokens=16)  # 1 of 20 over: 5 %
+    assert check_prompt_overflow(report, "truncate_left", 0.05).startswith("1 of 20 training prompts (5.0%)")
+    assert "dropped" in check_prompt_overflow(report, "drop", 0.05)
+    with pytest.raises(ValueError, match="data.prompt_overflow=refuse"):
+        check_prompt_overflow(report, "refuse", 1.0)
+    with pytest.raises(ValueError, match="raise data.max_prompt_tokens to 20"):
+        check_prompt_overflow(report, "truncate_left", 0.04)
+    assert check_prompt_overflow(PromptLengthReport.of([16, 3], 16), "refuse", 0.0) is None
+    # the recipes fit the data they ship with
+    for recipe in ("cpu_default.yaml", "cpu_reasoning.yaml"):
+        assert check_training_prompts(load_run_config(os.path.join(REPO, "configs", recipe))) is None
+    # drop keeps the fitting prompts: then the step size is checked against what is left
+    _flat_file(tmp_path / "mixed.jsonl", 40, problem=lambda i: f"{i}+1" if i < 30 else "1+" * 20 + "1")
+    run = load_run_config(CPU_DEFAULT, [f"data.train={tmp_path / 'mixed.jsonl'}", "data.prompt_overflow=drop",
+                                        "data.max_overflow_share=0.3"])
+    with pytest.raises(ConfigError, match="data.train has 30 usable prompts"):
+        check_training_prompts(run)
+
+
+# 4 ----------------------------------------------------------------------------------------------------------------
+def test_the_readme_cpu_eval_benchmark_exists_on_a_fresh_clone():
+    from megatron_dynamo.data.dataset import load_math_jsonl
+    from megatron_dynamo.trainer.trainer import load_examples
+
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    assert "--benchmarks synthetic_eval " in readme and "synthetic_eval.jsonl" not in readme
+    examples = load_math_jsonl("synthetic_eval").examples  # no file anywhere: a generated benchmark
+    assert examples == load_examples(load_run_config(CPU_DEFAULT))  # the CPU default's 128 problems
+
+
+# 5 ----------------------------------------------------------------------------------------------------------------
+def test_yaml_syntax_errors_are_one_line_with_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  config: configs/models/tiny-qwen2.json\ndata:\n  train: [synthetic\noptim: {}\n")
+    _one_line_exit_2(_dynamo("train", str(bad)), "dynamo train: ", f"{bad}:5:", "YAML syntax error")
+    _one_line_exit_2(_dynamo("train", CPU_DEFAULT, "optim.lr=[1"), "dynamo train: ", "override 'optim.lr=[1'",
+                     "not valid YAML")
+
+
+# 6 ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("env", [{"HF_ENDPOINT": "http://127.0.0.1:9"},
+                                 {"HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}])
+def test_data_prepare_without_network_says_so_in_one_line_at_once(tmp_path, env):
+    start = time.monotonic()
+    proc = _dynamo("data", "prepare", "gsm8k_train", "--out", str(tmp_path / "data"),
+                   env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "", **env})
+    seconds = time.monotonic() - start
+    _one_line_exit_2(proc, "dynamo data prepare: cannot fetch the hub dataset openai/gsm8k", "cannot be reached",
+                     "hf download openai/gsm8k")
+    assert seconds < 15, seconds  # before: 25 s of 5 retries
+    assert not (tmp_path / "data").exists()
+
+
+# 7 ----------------------------------------------------------------------------------------------------------------
+def test_an_output_directory_with_checkpoints_is_refused_before_the_header(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_000020"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    _one_line_exit_2(_dynamo("train", CPU_DEFAULT, f"trainer.output_dir={tmp_path / 'run'}"), "dynamo train: ",
+                     "already holds checkpoints", "--resume")
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+    (tmp_path / "file").write_text("")
+    _one_line_exit_2(_dynamo("train", CPU_DEFAULT, f"trainer.output_dir={tmp_path / 'file'}"), "dynamo train: ",
+                     "trainer.output_dir", "not a directory")
+
+
+# 9 ----------------------------------------------------------------------------------------------------------------
+def test_a_small_data_set_names_every_key_to_change_at_once(tmp_path):
+    from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts, small_data_fix
+
+    _flat_file(tmp_path / "mine.jsonl", 30)
+    line = _one_line_exit_2(_dynamo("train", CPU_DEFAULT, f"trainer.output_dir={tmp_path / 'run'}",
+                                    f"data.train={tmp_path / 'mine.jsonl'}"), "dynamo train: ",
+                            "30 usable prompts", "data.prompts_per_step=30 trainer.mini_batch_prompts=30")
+    assert not (tmp_path / "run").exists()
+    fix = line.split("run with ")[1].split(" (")[0].split()
+    run = load_run_config(CPU_DEFAULT, [f"data.train={tmp_path / 'mine.jsonl'}", *fix])  # consistent: it loads
+    check_run_inputs(run)
+    assert check_training_prompts(run) is None
+    assert small_data_fix(100, 512, 32) == {"data.prompts_per_step": 96}
+    assert small_data_fix(512, 512, 32) == {}
+
+
+# 8 ----------------------------------------------------------------------------------------------------------------
+def test_eval_outputs_are_keyed_by_the_checkpoint_and_a_finished_one_is_reused(tmp_path):
+    from megatron_dynamo.commands.eval import (_identity, _other_model, _record_finished, default_output,
+                                               finished_evaluation)
+    from megatron_dynamo.eval.model_source import checkpoint_identity
+
+    a, b = tmp_path / "a" / "checkpoints" / "step_000060", tmp_path / "b" / "checkpoints" / "step_000060"
+    for step in (a, b):
+        step.mkdir(parents=True)
+        (step / "model.pt").write_bytes(b"x" * 10)
+    assert default_output(a, a.name) != default_output(b, b.name)
+    assert default_output(a, a.name).name.startswith("step_000060-")
+    identity = checkpoint_identity(a)
+    assert identity == checkpoint_identity(a)
+    time.sleep(0.01)
+    (a / "model.pt").write_bytes(b"y" * 11)  # a new run wrote its step 60 at the same path
+    assert checkpoint_identity(a) != identity
+    out = tmp_path / "out"
+    out.mkdir()
+    args = SimpleNamespace(benchmarks="synthetic_eval", data_dir=None, n=8, k="8", temperature=1.0, top_p=1.0,
+                           max_tokens=6, template=None, seed=0, answer_only=False, limit=None, tokenizer=None,
+                           max_model_len=None, dtype=None)
+    (out / "summary.json").write_text(json.dumps({"benchmarks": {}, "avg": {"pass@1": 0.5}}))
+    assert finished_evaluation(out, _identity(a), args) is None  # not marked finished
+    _record_finished(out, _identity(a), args)
+    assert finished_evaluation(out, _identity(a), args)["avg"] == {"pass@1": 0.5}
+    assert finished_evaluation(out, _identity(a), SimpleNamespace(**{**vars(args), "n": 4})) is None
+    assert finished_evaluation(out, _identity(b), args) is None
+    (out / "settings.json").write_text(json.dumps({"model": str(a)}))
+    assert _other_model(out, a) is None and _other_model(out, b) == str(a)
