@@ -13,26 +13,25 @@ Either way the per-rank function runs with torch.distributed initialised (gloo) 
 
 from __future__ import annotations
 
-import os
 import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
 
+from megatron_dynamo.parallel import runtime
 from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
 
 
-
-
 def under_launcher() -> bool:
-    """True when started by torchrun (or in an initialised process group): every rank runs the command."""
-    return (dist.is_available() and dist.is_initialized()) or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """True when started as a rank by torchrun or srun (:func:`megatron_dynamo.parallel.runtime.launcher`, the test
+    the trainer uses too), or in an initialised process group: every rank runs the command."""
+    return (dist.is_available() and dist.is_initialized()) or runtime.launcher() != "single"
 
 
 def launcher_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return runtime.detect_launch().world_size
 
 
 def is_driver() -> bool:
@@ -41,16 +40,18 @@ def is_driver() -> bool:
         return True
     if dist.is_initialized():
         return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
+    return runtime.detect_launch().rank == 0
 
 
 def ensure_launcher_group(world_size: int) -> None:
     """Under a launcher: check the world size and initialise the gloo group (if nobody has yet)."""
     if launcher_world_size() != world_size:
-        raise RankError(f"launched with {launcher_world_size()} processes but --tp x --pp = {world_size}; "
-                        f"start exactly {world_size} (torchrun --nproc-per-node {world_size} ...)")
+        raise RankError([(-1, f"launched with {launcher_world_size()} processes but --tp x --pp = {world_size}; "
+                              f"start exactly {world_size} (torchrun --nproc-per-node {world_size} ...)")])
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        launch = runtime.detect_launch()
+        dist.init_process_group("gloo", rank=launch.rank, world_size=launch.world_size,
+                                init_method=f"tcp://{launch.master_addr}:{launch.master_port}")
 
 
 def broadcast_from_driver(value: Any) -> Any:

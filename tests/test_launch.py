@@ -517,3 +517,81 @@ def test_script_passes_bash_n_and_shellcheck(script):
     lint = subprocess.run([shellcheck, "--shell=bash", "--severity=style", str(script)], capture_output=True,
                           text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+# ---------------------------------------------------------------------------------------------- who is a launched rank
+TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "n1",
+                "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "7"}
+SRUN_ENV = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "12"}
+# What Slurm gives a batch script's shell (measured on Slurm 22.05 with `sbatch -n2`): no SLURM_STEP_ID.
+BATCH_SHELL_ENV = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "12"}
+
+
+def test_one_launcher_test_for_trainer_eval_and_converter(monkeypatch):
+    from checkpoints_convert import launch as convert_launch
+    from megatron_dynamo.commands import eval as eval_command
+    from megatron_dynamo.commands import train as train_command
+    from megatron_dynamo.parallel.runtime import detect_launch, launcher, local_rank, single_process_environment
+
+    assert launcher(TORCHRUN_ENV) == "torchrun" and launcher(SRUN_ENV) == "slurm" and launcher({}) == "single"
+    assert launcher(BATCH_SHELL_ENV) == "single"  # a command in the batch script itself is one process
+    # The node-local index, never the global rank (3 would name a GPU that a 2-GPU node does not have).
+    assert local_rank(SRUN_ENV) == 1 and detect_launch(SRUN_ENV).local_rank == 1
+    launch = detect_launch(SRUN_ENV)
+    assert (launch.rank, launch.world_size, launch.master_addr, launch.launcher) == (3, 4, "n1", "slurm")
+    assert local_rank(TORCHRUN_ENV) == 1 and local_rank({}) == 0
+    child = single_process_environment({**TORCHRUN_ENV, **SRUN_ENV, "PATH": "/bin", "SLURM_JOB_ID": "12"})
+    assert child == {"PATH": "/bin", "SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "n[1-2]"}
+    for env, expected in ((TORCHRUN_ENV, True), (SRUN_ENV, True), (BATCH_SHELL_ENV, False)):
+        for name in {*TORCHRUN_ENV, *SRUN_ENV, *BATCH_SHELL_ENV}:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert train_command._launched_externally() is expected
+        assert eval_command._launched_externally() is expected
+        assert convert_launch.under_launcher() is expected
+
+
+@pytest.fixture(scope="module")
+def tiny_megatron(tmp_path_factory):
+    """A tiny Qwen2 HF model and its Megatron checkpoint (converted in a single process)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_reference import TINY_QWEN2, hf_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    hf_model(TINY_QWEN2, seed=0).save_pretrained(root / "hf")
+    proc = subprocess.run([sys.executable, "-m", "checkpoints_convert", "hf-to-megatron", "--hf", str(root / "hf"),
+                           "--out", str(root / "meg"), "--quiet"], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV})
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def test_export_from_a_launched_rank_runs_a_single_process_converter(tiny_megatron, tmp_path, monkeypatch):
+    """The trainer's checkpoint.export_hf and `dynamo eval --checkpoint <Megatron checkpoint>` call export_to_hf in
+    a rank of an N-process job (torchrun or srun): the converter child must not take itself for rank 3 of 4."""
+    from safetensors.torch import load_file
+
+    from checkpoints_convert import export_to_hf
+
+    for name, value in {**TORCHRUN_ENV, **SRUN_ENV, "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    out = export_to_hf(tiny_megatron / "meg", tmp_path / "hf")
+    exported, original = load_file(out / "model.safetensors"), load_file(tiny_megatron / "hf" / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    assert all(exported[k].dtype == original[k].dtype and (exported[k] == original[k]).all() for k in original)
+
+
+def test_converter_launched_with_the_wrong_world_size_says_so_in_one_line(tiny_megatron, tmp_path):
+    """torchrun with 3 processes for a --tp 1 --pp 1 conversion: one error line (RankError's message), exit 1, no
+    traceback (RankError(str) raised ValueError inside its own constructor)."""
+    env = {**{k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}, "RANK": "0", "WORLD_SIZE": "3",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    proc = subprocess.run([sys.executable, "-m", "checkpoints_convert", "megatron-to-hf", "--megatron",
+                           str(tiny_megatron / "meg"), "--out", str(tmp_path / "hf"), "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == ("error: launched with 3 processes but --tp x --pp = 1; start exactly 1 "
+                                   "(torchrun --nproc-per-node 1 ...)"), proc.stderr
+    assert not (tmp_path / "hf").exists()

@@ -3,7 +3,9 @@
 The launcher is read from the environment:
 - torchrun / torch.distributed.run: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
 - Slurm's srun (one task per GPU): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST (the first host
-  is the rendezvous host unless MASTER_ADDR is set; the port defaults to one derived from the job id);
+  is the rendezvous host unless MASTER_ADDR is set; the port defaults to one derived from the job id). Only a job
+  step's task (srun sets SLURM_STEP_ID) is a rank: a batch script's shell has SLURM_PROCID=0 and the job's
+  SLURM_NTASKS too, and a command run there directly is a single process;
 - nothing: a single process (rank 0 of 1) on a free local port.
 If torch.distributed is already initialised (a test harness, a launcher that did it), that group is used as is.
 """
@@ -17,6 +19,7 @@ import re
 import socket
 import warnings
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -105,18 +108,53 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
-def detect_launch(env: dict[str, str] | None = None) -> LaunchInfo:
+# What makes a process one rank of a launched job (torchrun's and torch elastic's variables, an srun task's).
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_STEPID")
+
+
+def launcher(env: Mapping[str, str] | None = None) -> str:
+    """Who started this process as a rank: ``"torchrun"`` (RANK and WORLD_SIZE set: torchrun, or a launcher that
+    sets the same), ``"slurm"`` (a task of an srun job step) or ``"single"`` (nobody: one process). The one test
+    the trainer, ``dynamo eval`` and the checkpoint converter use."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
+        return "slurm"
+    return "single"
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's index on its node: LOCAL_RANK (torchrun), else SLURM_LOCALID (srun), else 0. Never the
+    global rank: from the second node on that names a GPU the node does not have."""
+    env = os.environ if env is None else env
+    return int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0)
+
+
+def single_process_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) without the launcher variables: for a child process that must run as a
+    single process of its own (the checkpoint converter), not take itself for a rank of this job."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if k not in LAUNCH_VARIABLES}
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read rank, world size and rendezvous address from torchrun's, Slurm's, or no launcher's variables."""
     env = dict(os.environ if env is None else env)
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+    kind = launcher(env)
+    if kind == "torchrun":
+        return LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), local_rank(env),
                           env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if kind == "slurm":
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
         addr = env.get("MASTER_ADDR") or first_slurm_host(nodelist)
         # Every task of the job must agree on the port without talking: derive it from the job id.
         port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-        return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+        return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local_rank(env),
                           addr, port, "slurm")
     return LaunchInfo(0, 1, 0, "127.0.0.1", _free_port(), "single")
 
@@ -156,10 +194,10 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
             backend or ("nccl" if use_cuda else "gloo"), rank=launch.rank, world_size=launch.world_size,
             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
             timeout=datetime.timedelta(minutes=timeout_minutes))
-        local_rank = launch.local_rank
+        node_rank = launch.local_rank
     else:
         parallel.validate(dist.get_world_size())
-        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        node_rank = local_rank()
 
     from megatron.core import parallel_state
 
@@ -174,7 +212,7 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
     seed_everything(seed)
     device = current_device()
     return RuntimeInfo(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device,
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=node_rank, device=device,
         backend=dist.get_backend(),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),

@@ -180,7 +180,10 @@ def _launch_environment(layout: EngineLayout) -> None:
     if dist.is_available() and dist.is_initialized():
         os.environ["RANK"] = str(layout.rank)
         os.environ["WORLD_SIZE"] = str(layout.world_size)
-        os.environ.setdefault("LOCAL_RANK", str(layout.rank))
+        # This process's index on its node (LOCAL_RANK, else srun's SLURM_LOCALID), never the global rank.
+        from megatron_dynamo.parallel.runtime import local_rank
+
+        os.environ["LOCAL_RANK"] = str(local_rank())
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
             raise RuntimeError("torch.distributed is initialised without MASTER_PORT in the environment: vLLM's "
