@@ -199,3 +199,14 @@ def test_eval_outputs_are_keyed_by_the_checkpoint_and_a_finished_one_is_reused(t
     assert finished_evaluation(out, _identity(b), args) is None
     (out / "settings.json").write_text(json.dumps({"model": str(a)}))
     assert _other_model(out, a) is None and _other_model(out, b) == str(a)
+
+
+def test_ablate_checks_the_recipes_data_names_before_any_run(tmp_path):
+    recipe = os.path.join(REPO, "configs", "cpu_reasoning.yaml")
+    model = f"model.config={REPO}/configs/models/tiny-qwen2.json"
+    proc = _dynamo("ablate", recipe, "--seeds", "1", "--output-dir", str(tmp_path / "abl"), model,
+                   "data.train=gsm8k_train", "data.sft_problems=0", cwd=tmp_path,
+                   env={"MEGATRON_DYNAMO_DATA_DIR": ""})
+    _one_line_exit_2(proc, "dynamo ablate: data.train: ", "'gsm8k_train.jsonl' is not in 'data'",
+                     "dynamo data prepare gsm8k_train")
+    assert not (tmp_path / "abl").exists()

@@ -581,6 +581,12 @@ def run(args, launch: Launch | None = None) -> int:
                              "held-out split); set evaluation.benchmarks in the recipe or as an override, e.g. "
                              "evaluation.benchmarks=[<name or JSONL path>]")
         base = load_run_config(args.config, overrides)
+        # The recipe's files and dataset names (found in data.data_dir, else the default data directory) and its
+        # prompts, before any run starts: one line, not 27 failed runs.
+        from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts
+
+        check_run_inputs(base)
+        check_training_prompts(base)
         if base.checkpoint.dir is not None:
             raise ValueError("checkpoint.dir is set: every run keeps its checkpoints in its own output directory "
                              "(remove checkpoint.dir)")
