@@ -378,6 +378,25 @@ def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path):
     assert summary["settings"]["stop_token_ids"] == [0, 2]
     assert {b: r["samples"] for b, r in summary["benchmarks"].items()} == {"aime24": 4, "minerva": 4}
     assert (out / "hf_model" / "config.json").is_file() and len(_lines(out / "samples.jsonl")) == 8
+    # The same command again: the finished evaluation is shown, not redone (no conversion, no vLLM, no rewrite).
+    converted = (out / "hf_model" / "config.json").stat().st_mtime_ns
+    samples = (out / "samples.jsonl").read_bytes()
+    again = _dynamo_eval("--checkpoint", str(megatron), "--benchmarks", "aime24,minerva", "--data-dir", DATA_DIR,
+                         "--n", "2", "--k", "2", "--max-tokens", "6", "--limit", "2", "--output", str(out),
+                         "--label", "tiny", "--reward-workers", "1", "--no-progress")
+    assert again.returncode == 0 and "already holds this evaluation" in again.stdout, again.stderr[-3000:]
+    from megatron_dynamo.eval.runner import format_table
+
+    table = format_table([("tiny", summary)])
+    assert table in printed and table in again.stdout  # the same table
+    assert (out / "samples.jsonl").read_bytes() == samples
+    # --overwrite evaluates again, with the cached conversion (same checkpoint files), to the same samples
+    redone = _dynamo_eval("--checkpoint", str(megatron), "--benchmarks", "aime24,minerva", "--data-dir", DATA_DIR,
+                          "--n", "2", "--k", "2", "--max-tokens", "6", "--limit", "2", "--output", str(out),
+                          "--label", "tiny", "--reward-workers", "1", "--no-progress", "--overwrite")
+    assert redone.returncode == 0 and "already holds" not in redone.stdout, redone.stderr[-3000:]
+    assert (out / "hf_model" / "config.json").stat().st_mtime_ns == converted
+    assert (out / "samples.jsonl").read_bytes() == samples
 
 
 @needs_data
