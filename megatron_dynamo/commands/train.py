@@ -144,8 +144,18 @@ def run(args) -> int:
         print(f"dynamo train: {exc}", file=sys.stderr)
         # Stopped by a signal (or failed while stopping): the status a shell gives a process the signal ended.
         signum = getattr(exc, "signum", None) or stop_signals.received()
-        return stop_signals.exit_code(signum) if signum else 1
+        if signum:
+            return stop_signals.exit_code(signum)
+        return 2 if _no_intact_checkpoint(exc) else 1
     return 0
+
+
+def _no_intact_checkpoint(exc: BaseException) -> bool:
+    """--resume found only damaged checkpoints (on one rank or, through RankError, on all): bad input, exit 2."""
+    from megatron_dynamo.trainer.checkpoint import NO_INTACT_CHECKPOINT
+
+    texts = [text for _, text in exc.errors] if hasattr(exc, "errors") else [str(exc)]
+    return all(text.startswith(NO_INTACT_CHECKPOINT) for text in texts)
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,11 +7,14 @@ Layout of ``<checkpoints>/step_000040``::
                                          ``python -m checkpoints_convert megatron-to-hf`` reads it directly)
     optimizer/                           dist_checkpointing of the optimizer's sharded state dict
     trainer_state.json                   step, prompt history, sampler position, RNG states, config
+    manifest.json                        size and SHA-256 of every other file (``checkpoint_manifest.py``)
 
-Atomicity: every rank writes into ``step_000040.tmp``; after a barrier rank 0 writes ``trainer_state.json``,
-fsyncs the tree and renames the directory to ``step_000040``, then rewrites ``latest`` (a one-line file, replaced
-with ``os.replace``). A crash or a full disk mid-save leaves only a ``.tmp`` directory, which is ignored and
-removed by the next save, so the previous checkpoint stays the latest and loadable.
+Atomicity: every rank writes into ``step_000040.tmp``; rank 0 writes ``trainer_state.json``; every rank hashes the
+files it wrote, rank 0 merges them into ``manifest.json``, fsyncs the tree and renames the directory to
+``step_000040``, then rewrites ``latest`` (a one-line file, replaced with ``os.replace``). A crash or a full disk
+mid-save leaves only a ``.tmp`` directory, which is ignored and removed by the next save, so the previous checkpoint
+stays the latest and loadable. ``--resume`` loads the newest checkpoint that matches its manifest
+(:func:`resume_checkpoint`); a damaged one it skipped is replaced when its step is saved again.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch.distributed as dist
 from megatron_dynamo.models.checkpoint_io import (fsync_tree, load_model_checkpoint, model_sharded_state_dict,
                                                    save_model_checkpoint, write_checkpoint_info)
 from megatron_dynamo.parallel.runtime import collective_device
+from megatron_dynamo.trainer.checkpoint_manifest import (MANIFEST_FILE, check_files, hash_files, owned_files,
+                                                         read_manifest, write_manifest)
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
@@ -128,14 +133,25 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, train
         dist.barrier()
         sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks))
         dist_checkpointing.save({"optimizer": sharded}, str(tmp / "optimizer"))
+        if rank == 0:
+            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state, "manifest": MANIFEST_FILE}))
     except OSError as exc:
         error = exc
     _raise_if_any_rank_failed(error, tmp, "writing")
+    entries = None
+    try:  # every rank hashes the files it wrote (in threads); rank 0 merges them into the manifest
+        entries = hash_files(tmp, owned_files(tmp, rank))
+    except OSError as exc:
+        error = exc
+    _raise_if_any_rank_failed(error, tmp, "hashing")
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(entries, gathered, dst=0)
     try:
         if rank == 0:
-            state_path = tmp / STATE_FILE
-            state_path.write_text(json.dumps({"step": step, **trainer_state}))
+            write_manifest(tmp, {rel: entry for part in gathered for rel, entry in part.items()})
             fsync_tree(tmp)
+            if final.exists():  # a damaged checkpoint of this step that --resume skipped: this save replaces it
+                shutil.rmtree(final)
             os.rename(tmp, final)
             pointer_tmp = root / (LATEST + ".tmp")
             pointer_tmp.write_text(final.name + "\n")
@@ -172,3 +188,62 @@ def load_checkpoint(path: str | os.PathLike, chunks, optimizer) -> dict[str, Any
         loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))
         optimizer.load_state_dict(loaded["optimizer"])
     return state
+
+
+NO_INTACT_CHECKPOINT = "--resume: no intact checkpoint"
+
+
+class NoIntactCheckpoint(RuntimeError):
+    """``--resume`` found checkpoints, but every one is damaged or incomplete (the message names each problem)."""
+
+
+def _checkpoint_problem(path: Path, rank: int, world_size: int) -> tuple[str | None, bool]:
+    """(what is wrong with this rank's share of the checkpoint at ``path`` or None, saved before manifests)."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return f"{STATE_FILE} is missing (an incomplete save)", False
+    except (OSError, ValueError) as exc:
+        return f"{STATE_FILE} is unreadable ({type(exc).__name__})", False
+    if not isinstance(state, dict) or "step" not in state:
+        return f"{STATE_FILE} holds no step", False
+    if "manifest" not in state:  # saved before checksums existed: nothing to check it against
+        return None, True
+    try:
+        entries = read_manifest(path)
+    except ValueError as exc:
+        return str(exc), False
+    return check_files(path, entries, rank, world_size), False
+
+
+def resume_checkpoint(root: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """Collective: the newest intact checkpoint under ``root`` for ``--resume``, and the console lines to print
+    (one per damaged checkpoint skipped, per ``.tmp`` leftover ignored, or for an unverified old checkpoint).
+
+    Every rank checks its own files of a candidate (sizes, then SHA-256 against ``manifest.json``) in parallel;
+    the ranks agree on the first problem found. A checkpoint without ``manifest.json`` whose ``trainer_state.json``
+    does not name one was saved before manifests existed: it is loaded with a line saying it is unverified.
+    (None, lines) when there is no checkpoint at all; :class:`NoIntactCheckpoint` when all are damaged."""
+    root = Path(root)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    lines = [f"--resume: ignoring {tmp}, the leftover of an interrupted save (the next save removes it)"
+             for tmp in sorted(root.glob("step_*.tmp"))] if root.is_dir() else []
+    candidates = sorted(((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))),
+                        reverse=True) if root.is_dir() else []
+    damaged = []
+    for _, path in candidates:
+        problem, unverified = _checkpoint_problem(path, rank, world_size)
+        problems = [None] * world_size
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+        if problem is None:
+            if unverified:
+                lines.append(f"--resume: {path} has no {MANIFEST_FILE} (saved before checkpoints carried "
+                             "checksums): loading it unverified")
+            return path, lines
+        lines.append(f"--resume: skipping damaged checkpoint {path}: {problem}")
+        damaged.append(f"{path.name}: {problem}")
+    if candidates:
+        raise NoIntactCheckpoint(f"{NO_INTACT_CHECKPOINT} under {root} ({'; '.join(damaged)}); start a new run "
+                                 "without --resume in another trainer.output_dir, or restore a checkpoint")
+    return None, lines

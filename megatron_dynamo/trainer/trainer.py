@@ -23,6 +23,10 @@ class TrainingError(RuntimeError):
     """A run cannot go on; the message says why and what was kept."""
 
 
+class ResumeError(TrainingError):
+    """``--resume`` found checkpoints but none intact (``dynamo train`` exits 2: bad input)."""
+
+
 class TrainingStopped(TrainingError):
     """The run stopped at a step boundary on SIGINT / SIGTERM (``signum``) after ``step``; the message says which
     checkpoint holds it."""
@@ -92,6 +96,7 @@ class Trainer:
                                 "to continue it, or choose another trainer.output_dir (nothing was overwritten)")
         self.info = runtime.init_distributed(run.parallel, seed=run.trainer.seed)
         self.rank = dist.get_rank()
+        self.resume_from = self._verified_resume_checkpoint() if resume else None
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(asdict(run), indent=2, default=str))
@@ -106,6 +111,20 @@ class Trainer:
                                   run.data.max_prompt_tokens + run.rollout.max_response_tokens)
         self._check_evaluation()
         self._build()
+
+    def _verified_resume_checkpoint(self) -> Path | None:
+        """``--resume``: the newest intact checkpoint (every rank checks its own files against the manifest), before
+        anything is built or written; each damaged one skipped is named in one line."""
+        from megatron_dynamo.trainer.checkpoint import NoIntactCheckpoint, resume_checkpoint
+
+        try:
+            path, lines = resume_checkpoint(self.checkpoint_root)
+        except NoIntactCheckpoint as exc:
+            raise ResumeError(str(exc)) from None
+        if self.rank == 0:
+            for line in lines:
+                log.warning("%s", line)
+        return path
 
     def _check_evaluation(self) -> None:
         """Read the periodic evaluation's benchmarks and measure their prompts now (every rank, so all fail
@@ -258,14 +277,14 @@ class Trainer:
         all ranks agree on, with that step's checkpoint saved: :class:`TrainingStopped`."""
         from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
         from megatron_dynamo.rollout.weight_sync import sync_weights
-        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, latest_checkpoint, load_checkpoint
+        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, load_checkpoint
         from megatron_dynamo.trainer.metrics import (MetricsLogger, MetricsLoggerError, format_duration,
                                                      plot_reward_curve)
 
         run = self.run
         started = time.perf_counter()
         start_step = 0
-        latest = latest_checkpoint(self.checkpoint_root) if self.resume else None
+        latest = self.resume_from
         if self.resume and latest is None and self.rank == 0:
             log.warning("--resume: no checkpoint under %s; starting from scratch", self.checkpoint_root)
         if latest is not None:
@@ -273,6 +292,8 @@ class Trainer:
             self._load_trainer_state(state)
             start_step = state["step"]
         else:
+            if self.rank == 0:
+                log.info("--resume: loaded step %d from %s", start_step, latest)
             self.sft_warmup()
         saved_step = start_step if latest is not None else None
         sync_weights(self.engine, self.actor, dtype=self.rollout_dtype)
