@@ -155,6 +155,29 @@ def test_fixed_row_micro_batches_keep_their_shapes():
     assert len({tuple(mb["input_ids"].shape) for mb in packed}) == 1
 
 
+def test_pipeline_token_plans_pad_only_to_one_shape_within_the_budget():
+    # A 1000-token budget, one 999-token sequence and 39 of 50 tokens, padded, one shape (pipeline parallelism).
+    # Binned first and padded afterwards this was 3 micro-batches of 20 x 999 tokens (20 times the budget).
+    samples = [Sample(0, "p0", (1,) * 500, (2,) * 500, 1.0)]
+    samples += [Sample(i, f"p{i}", (1,) * 25, (2,) * 26, 1.0) for i in range(1, 40)]
+    assert [sequence_length(s) for s in samples[:2]] == [999, 50]
+    groups = plan_token_micro_batches(samples, 1, 1000, fixed_shape=True)[0]
+    micro = build_micro_batches(groups, 0, fixed_shape=True)
+    assert [tuple(mb["input_ids"].shape) for mb in micro] == [(1, 999)] * 40
+    # Short sequences only: rows = budget // longest (rounded to seq_multiple), the last bin padded with empty rows.
+    groups = plan_token_micro_batches(samples[1:], 1, 1000, fixed_shape=True, seq_multiple=4)[0]
+    micro = build_micro_batches(groups, 0, fixed_shape=True, seq_multiple=4)
+    assert [tuple(mb["input_ids"].shape) for mb in micro] == [(19, 52)] * 3
+    assert [int((mb["sample_index"] >= 0).sum()) for mb in micro] == [19, 19, 1]
+    # Two DP ranks (each its own pipeline, its own shape): the 999-token rank 1 x 999, the other 20 x 50; the same
+    # count of micro-batches on both (empty ones at the end), every sample once.
+    plan = plan_token_micro_batches(samples, 2, 1000, fixed_shape=True)
+    shapes = [{tuple(mb["input_ids"].shape) for mb in build_micro_batches(share, 0, fixed_shape=True)}
+              for share in plan]
+    assert shapes == [{(1, 999)}, {(20, 50)}] and len(plan[0]) == len(plan[1]) == 11
+    assert sorted(s.index for share in plan for g in share for s in g) == list(range(40))
+
+
 # ---------------------------------------------------------------------------------------------- the real actor
 # name: (config overrides, micro-batches expected on a rank of a DP=1 run of the 7 samples, or None)
 LAYOUTS = {

@@ -280,6 +280,39 @@ def test_sleep_and_wake_up(engine, tokenizer):
     assert _tokens_by_key(engine.generate(requests, sampling)) == _tokens_by_key(before)
 
 
+def test_emulated_sleep_has_the_cuda_semantics(engine, tokenizer):
+    # rollout.emulate_sleep: level 1 keeps the weights (same samples after a wake-up), level 2 discards them
+    # (poisoned: a wake-up alone restores nothing, as with CUDA vLLM) until a weight update loads new ones.
+    from dataclasses import replace
+
+    requests = _synthetic_requests(tokenizer, _distinct_answer_examples(2, seed=2), (2, 3))
+    sampling = SamplingConfig(max_tokens=8, seed=5)
+    before = engine.generate(requests, sampling)
+    assert all(np.isfinite(r.logprobs).all() for r in before)
+    real_config = engine.config
+    engine.config = replace(real_config, emulate_sleep=True)
+    try:
+        assert engine.sleep_mode
+        engine.sleep(level=1)
+        engine.wake_up()
+        assert not engine.weights_discarded
+        kept = engine.generate(requests, sampling)
+        assert [(r.token_ids, r.logprobs) for r in kept] == [(r.token_ids, r.logprobs) for r in before]
+        engine.sleep(level=2)
+        engine.wake_up()
+        assert engine.weights_discarded
+        discarded = engine.generate(requests, sampling)
+        assert not any(np.isfinite(r.logprobs).any() for r in discarded)
+        engine.sleep()  # the trainer's order: the update while asleep, a wake-up before generating
+        engine.update_weights(hf_state_dict(TINY_QWEN2, seed=0).items())  # the weights the engine started with
+        assert not engine.weights_discarded
+        engine.wake_up()
+        reloaded = engine.generate(requests, sampling)
+        assert [(r.token_ids, r.logprobs) for r in reloaded] == [(r.token_ids, r.logprobs) for r in before]
+    finally:
+        engine.config = real_config
+
+
 # ------------------------------------------------------------------------------------------------ weight sync
 def _megatron_logprobs(actor, responses) -> list[torch.Tensor]:
     """Teacher-forced log pi(response token | prefix) from the Megatron model (TP=1: full vocabulary)."""

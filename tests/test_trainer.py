@@ -349,6 +349,28 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
+@pytest.mark.slow
+def test_cuda_sleep_semantics_change_nothing(tmp_path):
+    # rollout.emulate_sleep gives the CPU engine CUDA vLLM's sleep: at level 2 the weights are poisoned (NaN) and
+    # only a weight update restores them. Evaluation before training, between steps and at the end, rollouts and
+    # updates under it must equal a run without sleep: same responses, rewards, losses and evaluation samples.
+    common = ["trainer.steps=3", "checkpoint.every=100", "logging.tensorboard=false", "logging.rollouts=true"]
+    runs = {}
+    for name, extra in (("awake", ["rollout.sleep_during_training=false"]),
+                        ("asleep", ["rollout.emulate_sleep=true", "rollout.sleep_level=2"])):
+        runs[name] = _train(tmp_path / name, *common, *extra, *_eval_args(tmp_path / name))[0]
+    assert [m["step"] for m in runs["asleep"]] == [0, 1, 2, 3]
+    assert (tmp_path / "asleep" / "rollouts.jsonl").read_text() == (tmp_path / "awake" / "rollouts.jsonl").read_text()
+    for step in ("step_000000", "step_000002", "step_000003"):
+        samples = [(tmp_path / name / "eval" / step / "samples.jsonl").read_text() for name in runs]
+        assert samples[0] == samples[1], step
+    for a, b in zip(runs["awake"], runs["asleep"]):
+        for key in ("reward_mean", "loss", "grad_norm", "eval/avg/pass@1"):
+            assert (key in a) == (key in b), (a["step"], key)
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
 def _fault_worker(rank, world_size, output_dir):
     from megatron_dynamo.trainer import step as step_module
     from megatron_dynamo.trainer.config import load_run_config

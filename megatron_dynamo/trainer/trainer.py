@@ -221,6 +221,7 @@ class Trainer:
                              gpu_memory_utilization=run.rollout.gpu_memory_utilization,
                              enable_sleep_mode=run.rollout.sleep_during_training and gpu,
                              sleep_level=run.rollout.sleep_level,
+                             emulate_sleep=run.rollout.emulate_sleep and not gpu,
                              # Random weights at start: the trainer loads its own before the first rollout.
                              engine_kwargs={"load_format": "dummy"})
 
@@ -385,7 +386,8 @@ class Trainer:
         start = time.perf_counter()
         config = eval_config(self.run, stop_token_ids=self.sampling.stop_token_ids)
         try:
-            with self.runner.engine_awake():
+            # The weights of `step` stay in the engine for the next rollout (a level-2 sleep would discard them).
+            with self.runner.engine_awake(keep_weights=True):
                 summary = evaluate(self.engine, self.tokenizer, self.scorer, config,
                                    self.output_dir / "eval" / step_dir_name(step), model=f"training step {step}",
                                    max_prompt_tokens=self.engine_max_len - 1, progress="bar")
