@@ -15,8 +15,10 @@ puts them.
 
 Output (--output): samples.jsonl (one line per sample: benchmark, problem id, sample index, response, extracted
 answer, correct), summary.json (per benchmark and averaged: pass@1 and pass@k, problems, samples, settings), and
-the paper's table on stdout. Run the same command again to resume an interrupted evaluation: finished problems
-are kept, the rest is generated with the same per-problem seeds.
+the paper's table on stdout; default directory outputs/eval/<checkpoint name>-<8 hex of its absolute path>. Run the
+same command again to resume an interrupted evaluation: finished problems are kept, the rest is generated with the
+same per-problem seeds; on a finished one it prints the table again without converting or generating
+(--overwrite: evaluate again). A Megatron checkpoint's conversion is reused while its path and files are the same.
 
 Several engines: `--nproc N` runs N ranks on this machine (one GPU each; gloo processes on CPU), in engines of
 --tensor-parallel consecutive ranks: N / tensor_parallel engines generate side by side, each batch of problems split
