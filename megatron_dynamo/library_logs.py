@@ -65,6 +65,11 @@ NOISE: tuple[tuple[str, str, str], ...] = (
 WARNINGS: tuple[tuple[str, type[Warning], str, str], ...] = (
     (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning, r"vllm\.triton_utils\.dispatcher",
      "vLLM's kernel dispatcher touches every attribute of torch.distributed while scanning for kernels"),
+    (r"`load_state_dict` is deprecated", FutureWarning, r"megatron\.core\.dist_checkpointing\.",
+     "megatron-core's checkpoint loader calls torch's old name on every load (a resume, the converter)"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
+     r"(megatron_dynamo\.parallel\.cpu_compat|megatron\.core\.)",
+     "megatron-core's distributed checkpoints are built on ShardedTensor (on every load and save)"),
 )
 
 class DropRecords(logging.Filter):

@@ -7,6 +7,11 @@ cd "$(dirname "$0")/.."
 pip="python -m pip --quiet --disable-pip-version-check"
 $pip install --no-deps -r requirements-cpu.lock
 $pip install --no-deps -e .
+# The tests marked `slurm` run real jobs on a two-node Slurm on this host: bring it up where we can (root; it
+# installs Debian's slurm and munge when missing, about 30 s). Elsewhere those tests skip and say why.
+if [[ $(id -u) -eq 0 ]] && { command -v slurmctld >/dev/null || command -v apt-get >/dev/null; }; then
+  bash scripts/local_slurm.sh up || echo "run_tests: the local Slurm cluster did not come up; the slurm tests skip" >&2
+fi
 set +e
 python -m pytest "$@"
 status=$?

@@ -12,6 +12,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: spawns several gloo processes")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
     config.addinivalue_line("markers", "slow: takes more than ~30 s on the 2-core CPU machine")
+    config.addinivalue_line("markers", "slurm: real jobs on the local Slurm cluster (scripts/local_slurm.sh up; "
+                                       "skipped without it)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -370,7 +370,7 @@ echo 4242
 # The scripts' input variables: never taken from the environment the tests run in.
 SCRIPT_VARS = ("RECIPE", "CONFIG", "MODEL_DIR", "TOKENIZER_DIR", "DATA_DIR", "OUTPUT_DIR", "OVERRIDES", "ALGO",
                "CODE_DIR", "GPUS_PER_NODE", "MASTER_PORT", "CONTAINER_IMAGE", "CONTAINER_MOUNTS", "DIRECTION", "SRC",
-               "OUT", "TP", "PP", "TOKENIZER", "DTYPE", "FORCE")
+               "OUT", "TP", "PP", "TOKENIZER", "DTYPE", "FORCE", "STOP_GRACE")
 
 
 @pytest.fixture
@@ -455,18 +455,23 @@ def test_train_sbatch_header_and_host_mode(slurm):
     load_run_config(args.config, args.overrides, algo=args.algo)
 
 
-def test_train_sbatch_requeues_itself_on_the_time_limit_signal(slurm):
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts/slurm/train.sbatch")], env=slurm(2, SHIM_SRUN_SLEEP="60"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    deadline = time.monotonic() + 30
-    while not list(slurm.log.glob("srun.*.env")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 delivers to the batch shell
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    assert "requeue 4242" in (slurm.log / "scontrol.log").read_text().splitlines()
-    assert "time limit near: requeue job 4242" in out
+def test_train_sbatch_wraps_each_task_to_turn_sigurg_into_one_sigterm_for_torchrun(slurm):
+    """The time-limit path itself runs on a real Slurm (tests/test_slurm.py); here: what the task wrapper does with
+    SIGURG (the signal the batch shell sends to the job's steps): SIGTERM to torchrun alone, torchrun's exit status."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm/train.sbatch")], env=slurm(1), capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    ((argv, srun_env),) = slurm.srun_calls()
+    assert srun_env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "270"
+    wrapper = argv[argv.index("bash"):argv.index("torchrun")]
+    assert wrapper[:2] == ["bash", "-c"]
+    child = "trap 'echo got TERM; exit 143' TERM; echo ready; while true; do sleep 0.1; done"
+    task = subprocess.Popen([*wrapper, "bash", "-c", child], stdout=subprocess.PIPE, text=True)
+    assert task.stdout.readline().strip() == "ready"
+    time.sleep(1)  # the wrapper records the child's pid just after starting it: a signal before that is lost
+    task.send_signal(signal.SIGURG)
+    out, _ = task.communicate(timeout=30)
+    assert (task.returncode, out.strip()) == (143, "got TERM")
 
 
 def _convert(slurm, **extra: str) -> subprocess.CompletedProcess:

@@ -95,6 +95,9 @@ def train_on_rank(rank, world_size, run, resume):
         # Megatron logs every parameter name and its optimizer config at INFO: keep our progress line readable.
         for noisy in ("megatron", "megatron.core", "vllm"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+        from megatron_dynamo import library_logs
+
+        library_logs.install()  # a spawned rank (--nproc) starts without the launcher's filters (library_logs.WARNINGS)
     with stop_on_signals("dynamo train: {signal} received: stopping after the current step (send it again to stop "
                          "at once)" if rank == 0 else None), children_in_own_session():
         trainer = Trainer(run, resume=resume)
@@ -103,6 +106,17 @@ def train_on_rank(rank, world_size, run, resume):
         finally:
             trainer.close()
     return history if rank == 0 else None
+
+
+def _layout_line(cfg, world_size: int, kind: str) -> str:
+    """The header's second line: ranks, who started them, the training layout and the rollout engines."""
+    p = cfg.parallel
+    dp = world_size // (p.tensor_parallel * p.pipeline_parallel * p.context_parallel)
+    started = {"torchrun": "torchrun", "slurm": "srun", "single": "this process" if world_size == 1 else "--nproc"}
+    engines = world_size // cfg.rollout.tensor_parallel
+    return (f"{world_size} rank{'s' if world_size > 1 else ''} ({started[kind]}): DP {dp} x TP {p.tensor_parallel} "
+            f"x PP {p.pipeline_parallel}; {engines} rollout engine{'s' if engines > 1 else ''} of "
+            f"{cfg.rollout.tensor_parallel} rank{'s' if cfg.rollout.tensor_parallel > 1 else ''}")
 
 
 def run(args) -> int:
@@ -128,9 +142,12 @@ def run(args) -> int:
     library_logs.apply(cfg.logging.verbose)
     if not cfg.logging.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) == 0:
+    from megatron_dynamo.parallel.runtime import detect_launch, launcher
+
+    if detect_launch().rank == 0:
         print(f"dynamo train: {args.config} ({args.algo}{', resumed' if args.resume else ''}), "
               f"{cfg.trainer.steps} steps -> {cfg.trainer.output_dir}", flush=True)
+        print(f"dynamo train: {_layout_line(cfg, _world_size(cfg, args.nproc), launcher())}", flush=True)
         if prompt_note:
             print(f"dynamo train: {prompt_note}", flush=True)
     from megatron_dynamo.parallel import stop_signals

@@ -1,0 +1,261 @@
+"""Real jobs on a real Slurm: two nodes (n1, n2) on this host, brought up by ``scripts/local_slurm.sh up``
+(scripts/run_tests.sh does it where it can: root and apt). Without a cluster these tests skip with the reason.
+
+The CPU recipe is kept short (few steps, few prompts, a short warm-up): the whole module must fit in CI's budget.
+Every job is checked against a run of the same recipe without Slurm (``dynamo train --nproc 2``): the metrics that
+are not timings must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slurm
+
+# Short CPU runs: 4 RL steps of 16 prompts after 10 warm-up steps, no periodic checkpoint (only the stop's and the
+# last step's), no plots.
+STEPS = 4
+RECIPE = ["configs/cpu_default.yaml"]
+OVERRIDES = [f"trainer.steps={STEPS}", "trainer.sft_warmup_steps=10", "data.prompts_per_step=16",
+             "trainer.mini_batch_prompts=16", "checkpoint.every=100", "logging.progress=false",
+             "logging.plot=false", "logging.tensorboard=false"]
+# Keys that differ from run to run without meaning (wall-clock timings, throughput).
+TIMING = re.compile(r"^(time/|.*seconds|.*per_s|.*_s$|perf/|throughput)")
+
+
+def _slurm_state() -> str | None:
+    """None when the local cluster answers with both nodes usable, else why not."""
+    if shutil.which("sinfo") is None:
+        return "Slurm is not installed (scripts/local_slurm.sh up installs it as root)"
+    proc = subprocess.run(["bash", str(ROOT / "scripts/local_slurm.sh"), "status"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"the local Slurm cluster is not up (scripts/local_slurm.sh up): {proc.stdout.strip()}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = _slurm_state()
+    if reason:
+        pytest.skip(reason)
+    return True
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The submission environment (sbatch exports it to the job): this Python's bin first, no launcher variables."""
+    from megatron_dynamo.parallel.runtime import single_process_environment
+
+    env = single_process_environment()
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    return {**env, **extra}
+
+
+def sbatch(script: str, *options: str, **variables: str) -> int:
+    proc = subprocess.run(["sbatch", "--parsable", *options, str(ROOT / script)], capture_output=True, text=True,
+                          env=_env(**variables), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip().split(";")[0])
+
+
+def job_info(job: int) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], capture_output=True, text=True).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def wait_for(condition, timeout: float, what: str, job: int | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    details = f"\njob: {job_info(job)}" if job else ""
+    details += f"\nlog:\n{log.read_text()[-4000:]}" if log and log.exists() else ""
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{details}")
+
+
+def release(job: int) -> float:
+    """A requeued job waits about 2 minutes (its BeginTime) before it starts again: let it start now."""
+    wait_for(lambda: job_info(job).get("JobState") == "PENDING", 60, "the requeued job to be pending", job)
+    start = time.monotonic()
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, capture_output=True)
+    return start
+
+
+def finished(job: int) -> str | None:
+    state = job_info(job).get("JobState")
+    return state if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") else None
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """Each step's last metrics line (a resumed run writes the steps after its checkpoint again)."""
+    rows = {}
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[row["step"]] = row
+    return rows
+
+
+def assert_same_metrics(got: dict[int, dict], want: dict[int, dict]) -> None:
+    """Same steps; counts, rewards and allocations exactly equal (the same samples were drawn and scored); float
+    statistics of the model within rel 1e-5 (the two launchers run the same computation on differently threaded
+    CPU kernels: 1e-7 apart here)."""
+    assert sorted(got) == sorted(want)
+    for step in want:
+        keys = {k for k in want[step] if not TIMING.match(k)} - {"rollout/engine_tokens_max_over_mean"}
+        assert keys <= set(got[step]), (step, keys - set(got[step]))
+        for key in sorted(keys):
+            a, b = got[step][key], want[step][key]
+            if isinstance(b, float) and not key.startswith(("reward", "alloc")):
+                assert a == pytest.approx(b, rel=1e-5, abs=1e-9), (step, key, a, b)
+            else:
+                assert a == b, (step, key, a, b)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same recipe without Slurm: `dynamo train --nproc 2`, uninterrupted."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "train", *RECIPE, *OVERRIDES,
+                           f"trainer.output_dir={out}", "--nproc", "2"], capture_output=True, text=True,
+                          env=_env(), cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = metrics(out)
+    assert sorted(rows) == list(range(1, STEPS + 1))
+    return rows
+
+
+def train_job(run_dir: Path, log: Path, *extra_overrides: str, stop_grace: int = 120) -> int:
+    """train.sbatch with the CPU recipe on 2 nodes x 1 rank (torchrun on each node)."""
+    return sbatch("scripts/slurm/train.sbatch", "--nodes=2", "--gpus-per-node=0", f"--output={log}",
+                  "--job-name=dynamo-test", CONFIG=RECIPE[0], GPUS_PER_NODE="1", OUTPUT_DIR=str(run_dir),
+                  OVERRIDES=" ".join([*OVERRIDES, *extra_overrides]), CODE_DIR=str(ROOT),
+                  MASTER_PORT=str(29600 + os.getpid() % 1000), STOP_GRACE=str(stop_grace))
+
+
+def test_train_sbatch_two_nodes_time_limit_saves_requeues_and_resumes_exactly(slurm, reference, tmp_path):
+    """One job shows three things: train.sbatch on 2 nodes x 1 rank equals `--nproc 2`; the time-limit signal
+    (what --signal=B:USR1@300 delivers, sent with `scancel --signal=USR1 --batch`) makes the ranks save the step
+    they are on, the job requeues and resumes from that checkpoint to the same final metrics; and the trainer's
+    HF export (checkpoint.export_hf) works from a rank of a torchrun job (the converter runs as one process)."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    started = time.monotonic()
+    job = train_job(run_dir, log, "checkpoint.export_hf=true")
+    # Signal while step 3 runs (steps 1 and 2 are logged).
+    wait_for(lambda: 2 in metrics(run_dir), 300, "step 2 of the job", job, log)
+    signalled_after = max(metrics(run_dir))
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True)
+    release_started = release(job)
+    state = wait_for(lambda: finished(job), 400, "the requeued job to finish", job, log)
+    wall = time.monotonic() - started
+    text = log.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    assert job_info(job).get("Restarts") == "1", job_info(job)
+    saved = re.search(r"stopped by SIGTERM after step (\d+): its checkpoint is saved", text)
+    assert saved, text[-4000:]
+    saved_step = int(saved.group(1))
+    assert saved_step in (signalled_after, signalled_after + 1), (signalled_after, saved_step)
+    assert "ranks stopped (exit" in text and "requeue job" in text
+    # The second start resumed from the saved step, not from the last periodic checkpoint (there is none).
+    second = text[text.index("(restart 1)"):]
+    assert f"--resume: loaded step {saved_step} from" in second, second[:2000]
+    ran_again = re.findall(r'"step": (\d+)', (run_dir / "metrics.jsonl").read_text())
+    recomputed = len(ran_again) - STEPS
+    assert recomputed in (0, 1), ran_again
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    assert_same_metrics(metrics(run_dir), reference)
+    assert (run_dir / "hf" / "config.json").is_file() and any((run_dir / "hf").glob("*.safetensors"))
+    print(f"\nrequeue: signal during step {signalled_after + 1}, saved step {saved_step}, resumed from step "
+          f"{saved_step}, steps recomputed {recomputed}; job wall {wall:.0f} s (released "
+          f"{time.monotonic() - release_started:.0f} s before the end); second start log:\n{second[:300]}")
+
+
+def test_srun_per_rank_preempted_mid_checkpoint_resumes_and_scancel_leaves_nothing(slurm, tmp_path):
+    """srun with one task per rank (no torchrun, as the README shows): the job trains on 2 nodes; `scontrol
+    requeue` while a checkpoint is being written (preemption) restarts it; the next start ignores the partial
+    checkpoint and resumes from the last complete one; `scancel` then leaves no process of the job on either
+    node."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    steps = 40  # long enough to be stopped by hand; checkpoint after every step
+    train = [sys.executable, "-m", "megatron_dynamo.cli", "train", *RECIPE, *OVERRIDES, f"trainer.steps={steps}",
+             "checkpoint.every=1", "checkpoint.keep_last=3", f"trainer.output_dir={run_dir}", "--resume"]
+    command = "srun --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 " + " ".join(train)
+    job = sbatch_wrap(command, "--nodes=2", "--requeue", f"--output={log}", "--job-name=dynamo-preempt")
+    checkpoints = run_dir / "checkpoints"
+
+    def writing():
+        return list(checkpoints.glob("step_*.tmp")) if 1 in metrics(run_dir) else []
+
+    partial = wait_for(writing, 400, "a checkpoint being written", job, log)
+    subprocess.run(["scontrol", "requeue", str(job)], check=True)
+    complete_then = sorted(p.name for p in checkpoints.glob("step_??????"))
+    release(job)
+    loaded = wait_for(lambda: re.search(r"--resume: loaded step (\d+) from (\S+)", log.read_text()), 300,
+                      "the restarted job to load a checkpoint", job, log)
+    step = int(loaded.group(1))
+    assert Path(loaded.group(2)).name == f"step_{step:06d}" and not loaded.group(2).endswith(".tmp")
+    # The partial one was either finished before the processes were killed (it is complete now) or ignored.
+    assert step >= int(partial[0].name[5:11]) - 1, (step, partial, complete_then)
+    wait_for(lambda: max(metrics(run_dir), default=0) > step, 300, "a step after the resume", job, log)
+    subprocess.run(["scancel", str(job)], check=True)
+    wait_for(lambda: finished(job), 120, "the cancelled job to end", job, log)
+
+    def survivors():
+        ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        return [line for line in ps.splitlines() if str(run_dir) in line]
+
+    # Slurm sends SIGTERM, then SIGKILL after KillWait (30 s) to every process of the job's steps on every node.
+    deadline = time.monotonic() + 45
+    while survivors() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not survivors(), survivors()
+    print(f"\npreemption: requeued while writing {partial[0].name}; complete then: {complete_then}; "
+          f"resumed from step {step}")
+
+
+def sbatch_wrap(command: str, *options: str) -> int:
+    proc = subprocess.run(["sbatch", "--parsable", *options, "--wrap", command], capture_output=True, text=True,
+                          env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip().split(";")[0])
+
+
+PROBE = """
+import os
+from megatron_dynamo.parallel import runtime
+from megatron_dynamo.rollout import vllm_engine
+from megatron_dynamo.rollout.sharding import EngineLayout
+kind = runtime.launcher()
+info = runtime.init_distributed()
+os.environ.pop("LOCAL_RANK", None)
+vllm_engine._launch_environment(EngineLayout(info.rank, info.world_size, 1))
+print("PROBE", kind, info.rank, info.world_size, info.local_rank, os.environ["SLURM_LOCALID"],
+      os.environ["LOCAL_RANK"], flush=True)
+runtime.shutdown()
+"""
+
+
+def test_srun_task_per_rank_maps_slurm_localid_to_the_local_rank(slurm):
+    """4 srun tasks on 2 nodes (2 per node): ranks 2 and 3 are local ranks 0 and 1 of n2, for the trainer's runtime
+    and for vLLM's LOCAL_RANK (it was the global rank: a GPU index the node does not have)."""
+    proc = subprocess.run(["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--overcommit",
+                           sys.executable, "-c", PROBE], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = sorted(tuple(line.split()[1:]) for line in proc.stdout.splitlines() if line.startswith("PROBE"))
+    assert rows == [("slurm", str(r), "4", str(r % 2), str(r % 2), str(r % 2)) for r in range(4)], proc.stdout
