@@ -58,10 +58,13 @@ def _exchange_worker(rank, world_size):
 
     shares = {  # rank 2 holds nothing (a rank that is no engine leader, or an engine without prompts)
         0: ScoredResponses([3, 0, 0], [0, 1, 0], [(5, 6), (7,), ()], [False, True, False], [1.0, 0.0, 0.5]),
-        1: ScoredResponses([1, 2], [0, 0], [(9, 9, 9), (1, 2, 3, 4)], [True, False], [0.25, 1.0]),
+        1: ScoredResponses([1, 2], [0, 0], [(9, 9, 9), (1, 2, 3, 4)], [True, False], [0.25, 1.0],
+                           [(-0.5, -1.0, -1.5), (-0.25, -2.0, -3.0, -4.0)]),  # the engine's log-probs travel too
     }
-    merged = gather_rollout(shares.get(rank))
-    return vars(merged)
+    merged = vars(gather_rollout(shares.get(rank)))
+    # rank 0's share came without log-probs: NaN in their place
+    merged["logprobs"] = [tuple(None if x != x else x for x in values) for values in merged["logprobs"]]
+    return merged
 
 
 @pytest.mark.distributed
@@ -71,7 +74,8 @@ def test_gather_rollout_gives_every_rank_everything_in_canonical_order():
     results = run_on_ranks(_exchange_worker, 3)
     expected = {"prompt_index": [0, 0, 1, 2, 3], "sample_index": [0, 1, 0, 0, 0],
                 "token_ids": [(), (7,), (9, 9, 9), (1, 2, 3, 4), (5, 6)],
-                "truncated": [False, True, True, False, False], "rewards": [0.5, 0.0, 0.25, 1.0, 1.0]}
+                "truncated": [False, True, True, False, False], "rewards": [0.5, 0.0, 0.25, 1.0, 1.0],
+                "logprobs": [(), (None,), (-0.5, -1.0, -1.5), (-0.25, -2.0, -3.0, -4.0), (None, None)]}
     assert results == [expected] * 3
 
 

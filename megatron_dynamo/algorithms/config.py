@@ -122,6 +122,10 @@ class PolicyLossConfig:
     reference code silently used 0.28 for the upper bound). ``clip_ratio_c`` is the dual-clip constant for A < 0
     (None switches dual clip off). ``kl_coef`` weighs the k3 KL estimator against the reference policy,
     ``entropy_coef`` the entropy bonus. ``name`` picks the registered policy loss.
+    ``engine_is``: correct each token's loss for the gap between the rollout engine's log-prob of the sampled token
+    and the trainer's old-policy one (``losses.engine_importance_weights``): ``off``, ``truncate`` (weight
+    min(pi_old / pi_engine, ``engine_is_cap``), verl's and slime's truncated importance sampling) or ``mask`` (drop
+    tokens whose ratio lies outside [1 / cap, cap]). ``engine_is_cap`` > 1 (2.0, verl's default).
     """
 
     name: str = "ppo_clip"
@@ -131,6 +135,8 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     loss_agg_mode: str = "token-mean"
+    engine_is: str = "off"
+    engine_is_cap: float = 2.0
 
     def validate(self) -> "PolicyLossConfig":
         if not _is_real(self.clip_low) or not 0 <= self.clip_low < 1:
@@ -146,7 +152,12 @@ class PolicyLossConfig:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(
                 f"PolicyLossConfig.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
-        from .losses import registered_policy_losses  # late import: losses imports this module
+        from .losses import ENGINE_IS_MODES, registered_policy_losses  # late import: losses imports this module
+
+        if self.engine_is not in ENGINE_IS_MODES:
+            raise ValueError(f"PolicyLossConfig.engine_is must be one of {ENGINE_IS_MODES}, got {self.engine_is!r}")
+        if not _is_real(self.engine_is_cap) or self.engine_is_cap <= 1:
+            raise ValueError(f"PolicyLossConfig.engine_is_cap must be a finite number > 1, got {self.engine_is_cap!r}")
 
         if self.name not in registered_policy_losses():
             raise ValueError(

@@ -20,6 +20,8 @@ from .config import LOSS_AGG_MODES, PolicyLossConfig
 
 # exp() of a log-ratio beyond +-20 only produces inf/0; clamping there (as verl does) keeps the loss finite.
 LOG_RATIO_LIMIT = 20.0
+#: dynamo.loss.engine_is: how the trainer corrects for the engine/trainer log-prob gap (engine_importance_weights).
+ENGINE_IS_MODES = ("off", "truncate", "mask")
 
 
 @dataclass
@@ -158,6 +160,43 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
+def engine_importance_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mode: str,
+                              cap: float) -> torch.Tensor:
+    """Per-token weights correcting for the rollout engine sampling from a slightly different distribution than
+    the trainer's old policy (bf16 vLLM kernels against Megatron): with rho = pi_old(a) / pi_engine(a) =
+    exp(old_logp - engine_logp) (log-ratio clamped to +-20),
+
+    - ``"off"``: 1;
+    - ``"truncate"``: min(rho, cap) (truncated importance sampling: verl's token-level ``rollout_is`` truncate mode,
+      docs/advance/rollout_is.md of volcengine/verl, cap 2.0 there; slime's ``compute_tis_weights``, exp(old -
+      rollout) clamped to ``tis_clip``);
+    - ``"mask"``: 1 where 1/cap <= rho <= cap, else 0 (the token is dropped from the loss; verl's mask mode, which
+      also takes it out of the denominator: here the denominator stays the mini-batch's token count).
+
+    The weight multiplies each token's policy loss; since it is >= 0 this equals multiplying the token's advantage
+    (min(w x, w y) = w min(x, y), and the same for the dual clip's max). Constants: no gradient flows through them.
+    """
+    if mode not in ENGINE_IS_MODES:
+        raise ValueError(f"engine importance weights: mode must be one of {ENGINE_IS_MODES}, got {mode!r}")
+    if mode == "off":
+        return torch.ones_like(old_logp)
+    rho = torch.exp((old_logp - engine_logp).detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    if mode == "truncate":
+        return rho.clamp(max=cap)
+    return ((rho >= 1.0 / cap) & (rho <= cap)).to(old_logp.dtype)
+
+
+def engine_gap_sums(old_logp: torch.Tensor, engine_logp: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the engine's log-probs of the sampled tokens are from the trainer's old-policy ones, as sums over
+    the given tokens (the caller reduces them over micro-batches and ranks): ``abs_sum`` and ``abs_max`` of
+    |engine_logp - old_logp|, ``kl_k3_sum`` of the k3 estimator of KL(pi_engine || pi_old) (exp(d) - d - 1,
+    d = old_logp - engine_logp: unbiased under the engine's samples), and ``num_tokens``. float64."""
+    diff = (old_logp.double() - engine_logp.double())
+    return {"abs_sum": diff.abs().sum(), "abs_max": diff.abs().max() if diff.numel() else diff.new_zeros(()),
+            "kl_k3_sum": k3_kl(engine_logp.double(), old_logp.double()).sum(),
+            "num_tokens": diff.new_tensor(float(diff.numel()))}
+
+
 def to_token_shape(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Advantages at token level: unchanged if already of the tokens' shape, expanded if one per sequence."""
     advantages = torch.as_tensor(advantages, device=like.device)
@@ -250,7 +289,10 @@ __all__ = [
     "LOG_RATIO_LIMIT",
     "PolicyLossFn",
     "PolicyLossOutput",
+    "ENGINE_IS_MODES",
     "compute_actor_loss",
+    "engine_gap_sums",
+    "engine_importance_weights",
     "get_policy_loss",
     "k3_kl",
     "loss_agg",

@@ -3,13 +3,15 @@
 After generation each engine leader holds the responses of the prompts assigned to its engine, and their rewards.
 :func:`gather_rollout` packs them into three tensors per leader (integers per response: prompt index, sample index,
 length, truncated; the token ids back to back; the rewards) and all-gathers them over the default group (other
-ranks contribute empty tensors). Every rank then holds the whole step's rollout in one canonical order, prompt order
+ranks contribute empty tensors), and the engine's log-prob of every sampled token the same way (float64, NaN where
+the engine gave none), for the trainer's engine-vs-trainer gap metrics and ``dynamo.loss.engine_is``. Every rank then holds the whole step's rollout in one canonical order, prompt order
 then sample index: the order a single engine produces. Prompt ids and prompt tokens never travel: every rank has
 the step's prompts (same sampler, same tokenizer) and refers to them by index.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -28,12 +30,14 @@ class ScoredResponses:
     token_ids: list[tuple[int, ...]] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    logprobs: list[tuple[float, ...] | None] = field(default_factory=list)  # the engine's; empty: none at all
 
     def __len__(self) -> int:
         return len(self.prompt_index)
 
-    def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(meta int64 [n, 4], tokens int64 [sum of lengths], rewards float64 [n])``."""
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(meta int64 [n, 4], tokens int64 [sum of lengths], rewards float64 [n], logprobs float64 [sum of
+        lengths])``; a response without log-probs gets NaN."""
         n = len(self)
         for name in ("sample_index", "token_ids", "truncated", "rewards"):
             if len(getattr(self, name)) != n:
@@ -42,12 +46,23 @@ class ScoredResponses:
                              zip(self.prompt_index, self.sample_index, self.token_ids, self.truncated)],
                             dtype=torch.int64).reshape(n, _META_FIELDS)
         tokens = torch.tensor([t for ids in self.token_ids for t in ids], dtype=torch.int64)
-        return meta, tokens, torch.tensor(self.rewards, dtype=torch.float64)
+        given = self.logprobs or [None] * n
+        if len(given) != n:
+            raise ValueError(f"ScoredResponses: {len(given)} logprobs for {n} responses")
+        logprobs = []
+        for ids, values in zip(self.token_ids, given):
+            if values is not None and len(values) != len(ids):
+                raise ValueError(f"ScoredResponses: {len(values)} log-probs for {len(ids)} tokens")
+            logprobs.extend(values if values is not None else [math.nan] * len(ids))
+        return (meta, tokens, torch.tensor(self.rewards, dtype=torch.float64),
+                torch.tensor(logprobs, dtype=torch.float64))
 
     @classmethod
-    def unpack(cls, meta: torch.Tensor, tokens: torch.Tensor, rewards: torch.Tensor) -> "ScoredResponses":
+    def unpack(cls, meta: torch.Tensor, tokens: torch.Tensor, rewards: torch.Tensor,
+               logprobs: torch.Tensor | None = None) -> "ScoredResponses":
         meta_rows = meta.tolist()
         flat = tokens.tolist()
+        flat_logprobs = logprobs.tolist() if logprobs is not None else [math.nan] * len(flat)
         out, offset = cls(), 0
         for (p, s, length, trunc), reward in zip(meta_rows, rewards.tolist()):
             out.prompt_index.append(p)
@@ -55,6 +70,7 @@ class ScoredResponses:
             out.token_ids.append(tuple(flat[offset:offset + length]))
             out.truncated.append(bool(trunc))
             out.rewards.append(float(reward))
+            out.logprobs.append(tuple(flat_logprobs[offset:offset + length]))
             offset += length
         if offset != len(flat):
             raise RuntimeError(f"packed rollout: {len(flat)} tokens for lengths summing to {offset}")
@@ -63,8 +79,10 @@ class ScoredResponses:
     def sorted(self) -> "ScoredResponses":
         """In canonical order: prompt index, then sample index."""
         order = sorted(range(len(self)), key=lambda i: (self.prompt_index[i], self.sample_index[i]))
+        logprobs = self.logprobs or [None] * len(self)
         return ScoredResponses(*([getattr(self, name)[i] for i in order] for name in
-                                 ("prompt_index", "sample_index", "token_ids", "truncated", "rewards")))
+                                 ("prompt_index", "sample_index", "token_ids", "truncated", "rewards")),
+                               [logprobs[i] for i in order])
 
 
 def _all_gather_padded(tensor: torch.Tensor, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
@@ -83,9 +101,9 @@ def gather_rollout(local: ScoredResponses | None) -> ScoredResponses:
     from megatron_dynamo.parallel.runtime import collective_device
 
     local = local or ScoredResponses()
-    meta, tokens, rewards = local.pack()
+    meta, tokens, rewards, logprobs = local.pack()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ScoredResponses.unpack(meta, tokens, rewards).sorted()
+        return ScoredResponses.unpack(meta, tokens, rewards, logprobs).sorted()
     device = collective_device()
     counts = torch.tensor([meta.shape[0], tokens.shape[0]], dtype=torch.int64, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
@@ -95,7 +113,9 @@ def gather_rollout(local: ScoredResponses | None) -> ScoredResponses:
     metas = _all_gather_padded(meta, responses, device)
     token_parts = _all_gather_padded(tokens, token_counts, device)
     reward_parts = _all_gather_padded(rewards, responses, device)
-    merged = ScoredResponses.unpack(torch.cat(metas), torch.cat(token_parts), torch.cat(reward_parts)).sorted()
+    logprob_parts = _all_gather_padded(logprobs, token_counts, device)
+    merged = ScoredResponses.unpack(torch.cat(metas), torch.cat(token_parts), torch.cat(reward_parts),
+                                    torch.cat(logprob_parts)).sorted()
     keys = list(zip(merged.prompt_index, merged.sample_index))
     if len(set(keys)) != len(keys):
         raise RuntimeError("gather_rollout: two engines returned the same (prompt, sample) response")

@@ -31,6 +31,7 @@ class Sample:
     response_tokens: tuple[int, ...]
     reward: float
     advantage: float = 0.0
+    engine_logp: tuple[float, ...] | None = None  # the rollout engine's log-prob of each response token
 
     @property
     def num_response_tokens(self) -> int:

@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from megatron_dynamo.algorithms.config import ModulationConfig, PolicyLossConfig
-from megatron_dynamo.algorithms.losses import compute_actor_loss, policy_ratio, ppo_clip_mask
+from megatron_dynamo.algorithms.losses import (LOG_RATIO_LIMIT, compute_actor_loss, engine_importance_weights,
+                                               policy_ratio, ppo_clip_mask)
 from megatron_dynamo.algorithms.modulation import (ModulationInputs, ModulationScope, modulate_advantages,
                                                    modulation_factors)
 from megatron_dynamo.parallel.token_stats import (TokenStats, fused_vocab_parallel_token_stats,
@@ -134,6 +135,20 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
                                       seq_ids=seq_ids)
             modulation_stats.update(scope_gap(modulation_factors(inputs, modulation, scope),
                                               modulation_factors(inputs, modulation, compare_scope)))
+        if loss_cfg.engine_is != "off":
+            # Each token's loss weighted by w(pi_old / pi_engine) (dynamo.loss.engine_is): w >= 0, so weighting the
+            # advantage weights the clipped loss term alike (losses.engine_importance_weights).
+            if "engine_logp" not in micro_batch:
+                raise RuntimeError("dynamo.loss.engine_is needs the engine's log-probs in the micro-batch")
+            engine_logp = micro_batch["engine_logp"][mask]
+            weights = engine_importance_weights(old_logp, engine_logp, loss_cfg.engine_is, loss_cfg.engine_is_cap)
+            final_advantages = final_advantages * weights
+            rho = torch.exp((old_logp - engine_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+            changed = weights == 0 if loss_cfg.engine_is == "mask" else rho > loss_cfg.engine_is_cap
+            modulation_stats["actor/engine_is_weight_mean"] = weights.mean() if weights.numel() \
+                else weights.new_zeros(())
+            modulation_stats["actor/engine_is_capped_frac"] = changed.float().mean() if changed.numel() \
+                else weights.new_zeros(())
         output = compute_actor_loss(logp, old_logp, final_advantages, valid, loss_cfg,
                                     global_denominator=global_denominator, seq_ids=seq_ids)
         metrics = {k: v.detach().float() for k, v in {**output.metrics, **modulation_stats}.items()}

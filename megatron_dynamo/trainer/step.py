@@ -147,7 +147,8 @@ class StepRunner:
 
     def _rollout_and_reward(self, step, examples, counts, timer):
         """Every rank: generate this engine's share of the prompts, score it on the engine leader, exchange.
-        Returns (responses as (prompt id, prompt tokens, response tokens), rewards, metrics)."""
+        Returns (responses as (prompt id, prompt tokens, response tokens), rewards, metrics, the engine's
+        per-token log-probs of each response: NaN where it gave none)."""
         from megatron_dynamo.rollout.exchange import ScoredResponses, gather_rollout
         from megatron_dynamo.rollout.interface import GenerationRequest
         from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
@@ -173,7 +174,8 @@ class StepRunner:
                                                finish_reasons=[r.finish_reason for r in responses])
                 local = ScoredResponses([index_of[r.prompt_id] for r in responses],
                                         [r.sample_index for r in responses], [r.token_ids for r in responses],
-                                        [r.truncated for r in responses], [float(x) for x in scored.rewards])
+                                        [r.truncated for r in responses], [float(x) for x in scored.rewards],
+                                        [r.logprobs for r in responses])
                 stats = scored.stats
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
             failure = f"{type(exc).__name__}: {exc}"
@@ -193,7 +195,7 @@ class StepRunner:
         reward_metrics["rollout/engines"] = layout.num_engines
         mean_tokens = float(np.mean(per_engine))
         reward_metrics["rollout/engine_tokens_max_over_mean"] = max(per_engine) / mean_tokens if mean_tokens else 1.0
-        return responses, rollout.rewards, reward_metrics
+        return responses, rollout.rewards, reward_metrics, rollout.logprobs
 
     def run_step(self, step: int) -> dict[str, Any]:
         from megatron_dynamo.rollout.allocation import allocate_counts
@@ -208,14 +210,15 @@ class StepRunner:
         with timer("allocation"):
             allocation = allocate_counts(self.history, prompt_ids, run.dynamo.allocation)
             counts, variance_ratio = allocation.counts, allocation.predicted_variance_ratio
-        responses, rewards, reward_metrics = self._rollout_and_reward(step, examples, counts, timer)
+        responses, rewards, reward_metrics, engine_logprobs = self._rollout_and_reward(step, examples, counts, timer)
         with timer("advantages"):
             response_ids = [pid for pid, _, _ in responses]
             self.history.update(response_ids, np.asarray(rewards) > 0.5)
             estimator = get_advantage_estimator(run.dynamo.advantage_estimator)
             advantages = estimator(torch.tensor(rewards, dtype=torch.float64), response_ids,
                                    normalize_std=run.dynamo.normalize_advantage_std)
-            samples = [Sample(i, pid, tuple(ptoks), tuple(rtoks), rewards[i], float(advantages[i]))
+            samples = [Sample(i, pid, tuple(ptoks), tuple(rtoks), rewards[i], float(advantages[i]),
+                              engine_logp=engine_logprobs[i])
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
         if rank == 0:
             self._log_prompts(step, prompt_ids, counts, response_ids, rewards)
@@ -341,6 +344,7 @@ class StepRunner:
         if last_stage and old:
             entropies = torch.cat([v["entropy"] for v in old.values()])
             local["entropy_mean"] = (float(entropies.sum()), float(entropies.numel()))
+        gap_max = self._engine_logprobs(samples, plans, last_stage, local)
         modulation = run.dynamo.modulation
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
         # Every mini-batch's modulation scope (H_min, H_max, max Xi over its tokens and the DP group) under the old
@@ -407,11 +411,57 @@ class StepRunner:
         metrics = _collect_metric_sums(local)
         if current_policy:
             metrics.update(_reduce_scope_gaps(scope_gaps))
+        if gap_max is not None:
+            metrics["rollout/logp_gap_max"] = gap_max
         metrics["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
         metrics["optimizer_steps"] = optimizer_steps
         if skipped:
             metrics["skipped"] = "; ".join(skipped)
         return metrics
+
+    def _engine_logprobs(self, samples: list[Sample], plans, last_stage: bool,
+                         local: dict[str, tuple[float, float]]) -> float | None:
+        """The engine's log-probs of the sampled tokens into every micro-batch (``engine_logp``, beside
+        ``old_logp``: ``dynamo.loss.engine_is`` weighs the loss with them) and the gap to the trainer's old-policy
+        log-probs, from the pass already made (no extra forward): ``rollout/logp_gap_mean`` and
+        ``rollout/engine_kl_k3`` (the k3 estimator of KL(engine || trainer) on the sampled tokens) as token-weighted
+        sums in ``local``; returns ``rollout/logp_gap_max`` (collective: every rank calls it), None when the engine
+        gave no log-probs (every rank holds the same rollout, so all agree)."""
+        from megatron_dynamo.algorithms.losses import engine_gap_sums
+        from megatron_dynamo.parallel.runtime import collective_device
+
+        engine = {}
+        for s in samples:
+            values = torch.tensor(s.engine_logp if s.engine_logp is not None else [math.nan] * s.num_response_tokens,
+                                  dtype=torch.float32)
+            if values.numel() != s.num_response_tokens or not bool(torch.isfinite(values).all()):
+                engine = None
+                break
+            engine[s.index] = values
+        if engine is None or not samples:
+            if self.run.dynamo.loss.engine_is != "off":
+                raise RolloutError("dynamo.loss.engine_is needs the engine's log-prob of every sampled token; "
+                                   "the engine returned none")
+            return None
+        largest = 0.0
+        for _, micro in plans:
+            for mb in micro:
+                if not last_stage:
+                    mb["engine_logp"] = torch.zeros_like(mb["loss_mask"])
+                    continue
+                scatter_token_values(mb, engine, "engine_logp")
+                if _is_metric_rank():
+                    mask = mb["loss_mask"].bool()
+                    gap = engine_gap_sums(mb["old_logp"][mask], mb["engine_logp"][mask])
+                    n = float(gap["num_tokens"])
+                    for key, name in (("rollout/logp_gap_mean", "abs_sum"), ("rollout/engine_kl_k3", "kl_k3_sum")):
+                        s, c = local.get(key, (0.0, 0.0))
+                        local[key] = (s + float(gap[name]), c + n)
+                    largest = max(largest, float(gap["abs_max"]))
+        peak = torch.tensor([largest], dtype=torch.float64, device=collective_device())
+        if dist.get_world_size() > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak.item())
 
     def _sync_weights(self, step: int) -> dict[str, float]:
         """Collective: the new weights into every rank's engine. A failure on any rank (which keeps relaying its
