@@ -65,7 +65,8 @@ def _damage_worker(rank, world_size, root):
         saved[step] = {n: p.detach().clone() for n, p in actor.named_parameters()}
         ckpt.save_checkpoint(root, step, actor.chunks, actor.optimizer, {"history": {"s": step}}, *args)
     out = {"manifest": json.load(open(os.path.join(root, "step_000002", "manifest.json")))}
-    cases = dict(DAMAGE, partial_tmp=None, all_damaged=None) if world_size == 1 else {"rank1_flipped": None}
+    cases = (dict(DAMAGE, partial_tmp=None, all_damaged=None, legacy=None) if world_size == 1
+             else {"rank1_flipped": None})
     for case, spec in cases.items():
         case_root = f"{root}_{case}"
         if rank == 0:
@@ -79,6 +80,11 @@ def _damage_worker(rank, world_size, root):
             elif case == "all_damaged":
                 _flip(_shard(step2, "model"))
                 os.remove(os.path.join(step1, "manifest.json"))
+            elif case == "legacy":  # as saved before manifests: no manifest.json, trainer_state.json names none
+                os.remove(os.path.join(step2, "manifest.json"))
+                state = json.load(open(os.path.join(step2, "trainer_state.json")))
+                del state["manifest"]
+                json.dump(state, open(os.path.join(step2, "trainer_state.json"), "w"))
             elif case == "rank1_flipped":
                 _flip(_shard(step2, "optimizer", rank=1), n=512)
         dist.barrier()
@@ -118,6 +124,9 @@ def test_each_kind_of_damage_falls_back_to_the_newest_intact_checkpoint(tmp_path
     tmp = out["partial_tmp"]  # the intact step 2 is loaded; the leftover .tmp is named and ignored
     assert tmp["path"] == "step_000002" and tmp["exact"] and len(tmp["lines"]) == 1
     assert "step_000003.tmp" in tmp["lines"][0] and "leftover of an interrupted save" in tmp["lines"][0]
+    legacy = out["legacy"]  # an older checkpoint loads, with one line saying it was not verified
+    assert legacy["path"] == "step_000002" and legacy["exact"] and len(legacy["lines"]) == 1
+    assert "no manifest.json" in legacy["lines"][0] and "loading it unverified" in legacy["lines"][0]
     error = out["all_damaged"]["error"]  # step 2 flipped, step 1's manifest deleted: both named, one line
     assert "\n" not in error and error.startswith("--resume: no intact checkpoint")
     assert "step_000002: model/__0_" in error and "step_000001: manifest.json is missing" in error
