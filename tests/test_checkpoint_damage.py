@@ -183,3 +183,15 @@ def test_cli_resume_skips_flipped_optimizer_bytes_and_replaces_the_damaged_step(
     errors = [line for line in stopped.stderr.splitlines() if "no intact checkpoint" in line]
     assert len(errors) == 1 and "step_000003: trainer_state.json is missing" in errors[0], stopped.stderr
     assert "Traceback" not in stopped.stderr
+
+
+def test_two_ranks_with_no_intact_checkpoint_stop_in_one_line_exit_2(tmp_path):
+    """--nproc 2: both ranks find the only checkpoint incomplete before building anything; the launcher prints the
+    ranks' common line once and exits 2 (RankError carries no exception type: the line's prefix says it)."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_000001" / "model").mkdir(parents=True)
+    proc = _cli(out, "trainer.steps=2", "--resume", "--nproc", "2")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "no intact checkpoint" in line]
+    assert len(errors) == 1 and "step_000001: trainer_state.json is missing" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "rank 1" not in proc.stderr
