@@ -193,9 +193,10 @@ def test_srun_per_rank_preempted_mid_checkpoint_resumes_and_scancel_leaves_nothi
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     steps = 40  # long enough to be stopped by hand; checkpoint after every step
     train = [sys.executable, "-m", "megatron_dynamo.cli", "train", *RECIPE, *OVERRIDES, f"trainer.steps={steps}",
-             "checkpoint.every=1", "checkpoint.keep_last=3", f"trainer.output_dir={run_dir}", "--resume"]
+             "trainer.sft_warmup_steps=0", "checkpoint.every=1", "checkpoint.keep_last=3", f"trainer.output_dir={run_dir}", "--resume"]
     command = "srun --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 " + " ".join(train)
-    job = sbatch_wrap(command, "--nodes=2", "--requeue", f"--output={log}", "--job-name=dynamo-preempt")
+    job = sbatch_wrap(command, "--nodes=2", "--requeue", "--open-mode=append", f"--output={log}",
+                      "--job-name=dynamo-preempt")
     checkpoints = run_dir / "checkpoints"
 
     def writing():
