@@ -59,8 +59,8 @@ def measure(work: Path) -> tuple[dict[str, str], dict[str, float]]:
                  "synthetic_eval --n 8\n  --k 8 --max-tokens 6` (`synthetic_eval`: the CPU default's own 128 "
                  "problems, generated, no file; the template\n  `synthetic` comes from the run's checkpoint) printed "
                  f"pass@1 {100 * avg['pass@1']:.1f}, pass@8 {100 * avg['pass@8']:.1f}\n  (`python "
-                 "scripts/readme_numbers.py` re-runs the main job and this command and rewrites these numbers; the "
-                 "times it prints\n  are not quoted: they depend on what else the machine runs)."),
+                 "scripts/readme_numbers.py` re-runs the main job and this command and rewrites these numbers;\n  the "
+                 "times it prints are not quoted: they depend on what else the machine runs)."),
     }, {"train": train_seconds, "eval": eval_seconds}
 
 
