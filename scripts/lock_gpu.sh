@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Refresh requirements-gpu.lock: resolve setup.py's core + gpu requirements for the GPU platform (CPython 3.11 and
+# 3.12, manylinux_2_28 x86_64) with uv, which reads wheel metadata only: no CUDA wheel is downloaded, nothing is
+# installed. Where the two Pythons resolve a package differently the lock carries both lines with a
+# python_version marker. tests/test_gpu_lock.py re-resolves and compares with the committed lock.
+#   Usage: bash scripts/lock_gpu.sh [OUTPUT]   (default requirements-gpu.lock; needs uv: pip install uv)
+# Install (docker/Dockerfile does this): pip install --no-deps -r requirements-gpu.lock && pip install --no-deps -e .
+# then Transformer Engine's torch extension: pip install --no-build-isolation --no-deps "transformer-engine-torch==2.11.0"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-requirements-gpu.lock}
+uv=${UV:-uv}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# setup.py's install_requires + extras_require["gpu"], read without building the package.
+python3 - >"$work/gpu.in" <<'PY'
+import ast
+tree = ast.parse(open("setup.py", encoding="utf-8").read())
+names = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+         if isinstance(t, ast.Name)}
+print("\n".join(ast.literal_eval(names["CORE"]) + ast.literal_eval(names["EXTRAS"])["gpu"]))
+PY
+for v in 3.11 3.12; do
+  "$uv" pip compile "$work/gpu.in" --quiet --no-header --no-annotate --python-platform x86_64-manylinux_2_28 \
+    --python-version "$v" -o "$work/$v.txt"
+done
+python3 - "$work/3.11.txt" "$work/3.12.txt" >"$work/lock" <<'PY'
+import sys
+def pins(path):
+    return dict(line.split("==", 1) for line in open(path).read().split() if "==" in line)
+a, b = pins(sys.argv[1]), pins(sys.argv[2])
+print("# The GPU environment, exactly (CPython 3.11/3.12, manylinux_2_28 x86_64, torch 2.13.0 = CUDA 13, NVIDIA driver")
+print("# >= 580). Made by scripts/lock_gpu.sh from setup.py's core + gpu requirements (uv, wheel metadata only).")
+print("# Install: pip install --no-deps -r requirements-gpu.lock && pip install --no-deps -e .")
+print("# then: pip install --no-build-isolation --no-deps transformer-engine-torch==2.11.0 (docker/Dockerfile)")
+for name in sorted(set(a) | set(b), key=str.lower):
+    if a.get(name) == b.get(name):
+        print(f"{name}=={a[name]}")
+        continue
+    for version, pins_ in (("3.11", a), ("3.12", b)):
+        if name in pins_:
+            print(f'{name}=={pins_[name]} ; python_version == "{version}"')
+PY
+mv "$work/lock" "$out"
+echo "lock_gpu: wrote $out ($(grep -c '==' "$out") lines)"

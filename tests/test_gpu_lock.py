@@ -1,0 +1,77 @@
+"""The GPU install cannot silently break: resolving setup.py's core + gpu requirements for the GPU platform (CPython
+3.11/3.12, manylinux_2_28 x86_64) with uv, which reads wheel metadata only, gives exactly requirements-gpu.lock, with
+the pinned vLLM/megatron-core/Transformer Engine and the CPU lock's torch and transformers. Needs only the package
+registry (PyPI); skipped with the reason when uv is missing or PyPI cannot be reached."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_LOCK = ROOT / "requirements-gpu.lock"
+CPU_LOCK = ROOT / "requirements-cpu.lock"
+
+
+def _pins(path: Path) -> dict[str, set[str]]:
+    pins: dict[str, set[str]] = {}
+    for line in path.read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
+        if match:
+            pins.setdefault(match.group(1).lower().replace("_", "-"), set()).add(match.group(2))
+    return pins
+
+
+def _uv() -> str:
+    exe = Path(sys.executable).parent / "uv"
+    found = str(exe) if exe.exists() else shutil.which("uv")
+    if not found:
+        pytest.skip("uv is not installed (pip install uv; it is in the test extra)")
+    return found
+
+
+def _registry_reachable() -> None:
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/vllm/", timeout=10).close()
+    except OSError as err:
+        pytest.skip(f"PyPI cannot be reached ({err}); the GPU lock check needs the package registry")
+
+
+def test_gpu_lock_pins_the_tested_versions():
+    gpu, cpu = _pins(GPU_LOCK), _pins(CPU_LOCK)
+    assert gpu["vllm"] == {"0.32.0"}
+    assert gpu["megatron-core"] == {"0.16.1"} == cpu["megatron-core"]
+    assert gpu["transformer-engine"] == {"2.11.0"} == gpu["transformer-engine-cu13"]
+    assert gpu["torch"] == {"2.13.0"} and cpu["torch"] == {"2.13.0+cpu"}  # same release, CUDA vs CPU build
+    assert gpu["transformers"] == cpu["transformers"] == {"5.19.0"}
+    assert gpu["math-verify"] == cpu["math-verify"]
+    # TE's CUDA 13 core matches torch's CUDA 13 runtime; no CUDA 12 runtime slips in.
+    assert "nvidia-cuda-runtime-cu12" not in gpu
+    assert gpu["nvidia-cuda-runtime"] and all(v.startswith("13.") for v in gpu["nvidia-cuda-runtime"])
+
+
+def test_gpu_lock_resolves_for_the_gpu_platform(tmp_path):
+    uv = _uv()
+    _registry_reachable()
+    out = tmp_path / "requirements-gpu.lock"
+    env = {**os.environ, "UV": uv, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    start = time.monotonic()
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "lock_gpu.sh"), str(out)], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=600)
+    seconds = time.monotonic() - start
+    assert run.returncode == 0, run.stderr[-3000:]
+    print(f"GPU lock resolved in {seconds:.1f} s")
+    fresh, committed = out.read_text().splitlines(), GPU_LOCK.read_text().splitlines()
+    added = sorted(set(fresh) - set(committed))
+    removed = sorted(set(committed) - set(fresh))
+    assert not added and not removed, (
+        f"the GPU requirements resolve differently from requirements-gpu.lock (a new release?): now {added}, "
+        f"lock {removed}; check the new set, then run scripts/lock_gpu.sh and commit the lock")
