@@ -23,9 +23,12 @@ from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
 
 
 def under_launcher() -> bool:
-    """True when started as a rank by torchrun or srun (:func:`megatron_dynamo.parallel.runtime.launcher`, the test
-    the trainer uses too), or in an initialised process group: every rank runs the command."""
-    return (dist.is_available() and dist.is_initialized()) or runtime.launcher() != "single"
+    """True when started as one rank of several by torchrun or srun (:func:`megatron_dynamo.parallel.runtime.launcher`,
+    the test the trainer uses too), or in an initialised process group: every rank runs the command. A launch of
+    one process (convert.sbatch's single srun task) is no launcher: it spawns its TP x PP workers itself."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return runtime.launcher() != "single" and runtime.detect_launch().world_size > 1
 
 
 def launcher_world_size() -> int:

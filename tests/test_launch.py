@@ -617,7 +617,7 @@ def test_sft_warmup_is_the_same_computation_at_one_and_two_data_parallel_ranks(t
                               capture_output=True, text=True, cwd=ROOT, timeout=600,
                               env={k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV})
         assert proc.returncode == 0, proc.stderr[-3000:]
-        warmup = next(line for line in proc.stdout.splitlines() if line.startswith("SFT warm-up:"))
+        warmup = next(line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("SFT warm-up:"))
         return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), (out / "prompts.jsonl").read_text(), \
             warmup
 

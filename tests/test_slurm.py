@@ -193,7 +193,8 @@ def test_srun_per_rank_preempted_mid_checkpoint_resumes_and_scancel_leaves_nothi
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     steps = 40  # long enough to be stopped by hand; checkpoint after every step
     train = [sys.executable, "-m", "megatron_dynamo.cli", "train", *RECIPE, *OVERRIDES, f"trainer.steps={steps}",
-             "trainer.sft_warmup_steps=0", "checkpoint.every=1", "checkpoint.keep_last=3", f"trainer.output_dir={run_dir}", "--resume"]
+             "trainer.sft_warmup_steps=0", "checkpoint.every=1", "checkpoint.keep_last=3",
+             f"trainer.output_dir={run_dir}", "--resume"]
     command = "srun --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 " + " ".join(train)
     job = sbatch_wrap(command, "--nodes=2", "--requeue", "--open-mode=append", f"--output={log}",
                       "--job-name=dynamo-preempt")
@@ -260,3 +261,24 @@ def test_srun_task_per_rank_maps_slurm_localid_to_the_local_rank(slurm):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = sorted(tuple(line.split()[1:]) for line in proc.stdout.splitlines() if line.startswith("PROBE"))
     assert rows == [("slurm", str(r), "4", str(r % 2), str(r % 2), str(r % 2)) for r in range(4)], proc.stdout
+
+
+def test_convert_sbatch_both_directions_with_its_own_workers(slurm, tmp_path):
+    """convert.sbatch's one srun task converts HF -> Megatron at TP 2 (it spawns its 2 workers itself: a launch of
+    one task is no launcher of ranks) and back; the round trip is bit-identical."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_reference import TINY_QWEN2, hf_model
+    from safetensors.torch import load_file
+
+    hf_model(TINY_QWEN2, seed=0).save_pretrained(tmp_path / "hf")
+    for direction, src, out, extra in (("hf-to-megatron", "hf", "meg", {"TP": "2"}),
+                                       ("megatron-to-hf", "meg", "back", {})):
+        log = tmp_path / f"{direction}.out"
+        job = sbatch("scripts/slurm/convert.sbatch", f"--output={log}", DIRECTION=direction,
+                     SRC=str(tmp_path / src), OUT=str(tmp_path / out), CODE_DIR=str(ROOT), **extra)
+        state = wait_for(lambda: finished(job), 300, f"{direction} to finish", job, log)
+        assert state == "COMPLETED", log.read_text()[-3000:]
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(original) == sorted(back)
+    assert all(original[k].dtype == back[k].dtype and (original[k] == back[k]).all() for k in original)
