@@ -23,8 +23,10 @@ continues from it. A second signal stops at once, without a checkpoint. With --n
 process, which passes it on to the ranks; under torchrun/srun every rank must receive it. However the run ends
 (kill -9 included), a watchdog process stops whatever it started (ranks, reward workers), within a few seconds.
 The reward workers run in sessions of their own, so Ctrl-C at a terminal reaches the trainer only; a signal sent
-to every process of the run (Slurm at the time limit) stops them too, and the step in progress then fails instead
-of finishing.
+to every process of the run (scancel, Slurm's preemption) stops them too, and the step in progress then fails
+instead of finishing. Under torchrun the agent kills its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by
+default) after passing SIGTERM on: scripts/slurm/train.sbatch sets it to STOP_GRACE (270 s) and, at the time limit,
+signals torchrun alone (docs/cluster.md).
 """
 
 from __future__ import annotations
