@@ -14,7 +14,7 @@ from megatron_dynamo.models.qwen import te_available
 
 pytestmark = pytest.mark.gpu
 QWEN_1_5B = os.path.join(REPO, "configs", "models", "qwen2.5-math-1.5b.json")
-# te_available() is False at once without CUDA (no import attempted); on a GPU it imports transformer_engine.
+# te_available() is False at once without CUDA (no import attempted); on a GPU it imports transformer_engine.pytorch.
 requires_te = pytest.mark.skipif(not te_available(), reason="Transformer Engine does not import here")
 
 

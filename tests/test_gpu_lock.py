@@ -1,7 +1,8 @@
 """The GPU install cannot silently break: resolving setup.py's core + gpu requirements for the GPU platform (CPython
 3.11/3.12, manylinux_2_28 x86_64) with uv, which reads wheel metadata only, gives exactly requirements-gpu.lock, with
 the pinned vLLM/megatron-core/Transformer Engine and the CPU lock's torch and transformers. Needs only the package
-registry (PyPI); skipped with the reason when uv is missing or PyPI cannot be reached."""
+registry (PyPI); skipped with the reason when uv is missing or PyPI cannot be reached. And te_importable(): a
+Transformer Engine whose torch extension does not load counts as absent."""
 
 from __future__ import annotations
 
@@ -75,3 +76,27 @@ def test_gpu_lock_resolves_for_the_gpu_platform(tmp_path):
     assert not added and not removed, (
         f"the GPU requirements resolve differently from requirements-gpu.lock (a new release?): now {added}, "
         f"lock {removed}; check the new set, then run scripts/lock_gpu.sh and commit the lock")
+
+
+_FAKE_TE = {
+    # What a TE without its torch extension looks like: the package imports, its pytorch module loads the extension.
+    "broken": "import transformer_engine_torch  # the extension, absent\n",
+    "working": "VERSION = 'fake'\n",
+}
+_PROBE = ("import transformer_engine\n"  # the old check: this alone succeeds for both fakes
+          "from megatron_dynamo.models.qwen import te_importable\n"
+          "print(transformer_engine.__file__.startswith({root!r}), te_importable())\n")
+
+
+@pytest.mark.parametrize("kind,expected", [("broken", "True False"), ("working", "True True")])
+def test_te_counts_only_with_its_torch_extension(tmp_path, kind, expected):
+    """A real import of a fake transformer_engine package put first on sys.path (in a fresh interpreter)."""
+    package = tmp_path / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pytorch" / "__init__.py").write_text(_FAKE_TE[kind])
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    run = subprocess.run([sys.executable, "-c", _PROBE.format(root=str(tmp_path))], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == expected

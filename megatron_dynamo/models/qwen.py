@@ -152,15 +152,20 @@ def parse_qwen_config(cfg: dict[str, Any]) -> QwenArchitecture:
     )
 
 
-def te_available() -> bool:
-    """Transformer Engine is usable: CUDA is present and ``transformer_engine`` imports."""
-    if not torch.cuda.is_available():
-        return False
+def te_importable() -> bool:
+    """``transformer_engine.pytorch`` imports, i.e. with its torch extension (``transformer_engine_torch``, built
+    against the installed torch). ``import transformer_engine`` alone succeeds without the extension, so a TE whose
+    extension is missing or built for another torch must fail here, not at the first layer."""
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken TE install is as good as none
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken TE install is as good as none (ImportError, OSError of the .so ...)
         return False
     return True
+
+
+def te_available() -> bool:
+    """Transformer Engine is usable: CUDA is present and ``transformer_engine.pytorch`` imports (te_importable)."""
+    return torch.cuda.is_available() and te_importable()
 
 
 def _dtype(name: str | torch.dtype) -> torch.dtype:
