@@ -95,6 +95,11 @@ PARTS: dict[str, Part] = {p.name: p for p in (
          "output layer, tokens/s of dynamic / packed vs padded micro-batches"),
 )}
 
+#: Status of a part the total budget left no time for, and the exit status of a check where one did not run
+#: (no part failed): the check did not check everything it lists.
+NOT_RUN = "NOT RUN"
+EXIT_NOT_RUN = 3
+
 #: What a need means and how to satisfy it (printed when a part is skipped).
 NEEDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     # key: (distribution names, import name, hint)
@@ -1195,8 +1200,8 @@ def load_results(work: Path, parts: list[str]) -> list[dict[str, Any]]:
         if path.exists():
             res = json.loads(path.read_text())
         elif shell.get("rc") == "budget":
-            res = {"part": name, "status": "skip",
-                   "summary": f"skipped: the total time budget was spent ({shell.get('limit', '?')} s left)"}
+            res = {"part": name, "status": NOT_RUN,
+                   "summary": f"NOT RUN: the total time budget was spent ({shell.get('limit', '?')} s left)"}
         elif shell.get("rc") in ("124", "137"):
             res = {"part": name, "status": "fail", "summary": f"timed out after {shell.get('limit')} s (killed)"}
         else:
@@ -1221,13 +1226,14 @@ def render_report(env: dict[str, Any], results: list[dict[str, Any]], command: s
              f"- versions: {env_line(env)}",
              f"- command: `{command}`",
              f"- result: {counts.get('pass', 0)} passed, {counts.get('fail', 0)} failed, {counts.get('skip', 0)} "
-             f"skipped, {sum(float(r.get('seconds', 0)) for r in results):.0f} s", "",
+             f"skipped, " + (f"{counts[NOT_RUN]} NOT RUN, " if counts.get(NOT_RUN) else "")
+             + f"{sum(float(r.get('seconds', 0)) for r in results):.0f} s", "",
              "| part | status | s | summary |", "|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['part']} | {r['status']} | {_fmt(float(r.get('seconds', 0)))} | "
                      f"{_fmt(r.get('summary', ''))} |")
     for r in results:
-        if r["status"] == "skip":
+        if r["status"] in ("skip", NOT_RUN):
             continue
         lines += ["", f"### {r['part']}: {r['status']}", ""]
         for key, value in (r.get("numbers") or {}).items():
@@ -1382,7 +1388,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "gpu_check.json").write_text(json.dumps({"env": env, "command": args.command, "results": results},
                                                             indent=2, default=str))
     print("\n" + report, flush=True)
-    ran = any(r["status"] != "skip" for r in results)
+    ran = any(r["status"] not in ("skip", NOT_RUN) for r in results)
     if args.append is not None:
         if args.cpu or not env.get("cuda") or not ran:
             log(f"not appended to {args.append}: " + ("--cpu mode" if args.cpu else "no CUDA" if not env.get("cuda")
@@ -1391,7 +1397,14 @@ def main(argv: list[str] | None = None) -> int:
             append_report(report, args.append)
             log(f"appended to {args.append}")
     log(f"report: {args.out_dir / 'gpu_check_report.md'}")
-    return 1 if any(r["status"] == "fail" for r in results) else 0
+    return report_status(results)
+
+
+def report_status(results: list[dict[str, Any]]) -> int:
+    """1 when a part failed, else EXIT_NOT_RUN when a part did not run (budget spent), else 0."""
+    if any(r["status"] == "fail" for r in results):
+        return 1
+    return EXIT_NOT_RUN if any(r["status"] == NOT_RUN for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # the repository root. The parts live in benchmarks/gpu_check.py (one process per part, each with its own time
 # limit, every part runs whatever happened to the ones before).
 #
-#   scripts/gpu_check.sh                      all parts, 20 minutes in total at most
+#   scripts/gpu_check.sh                      all parts (budget: the sum of their limits, about an hour)
 #   scripts/gpu_check.sh --list               the parts, their time limits and what they need
 #   scripts/gpu_check.sh --part vllm          one part (repeat --part, or give a comma-separated list)
 #   scripts/gpu_check.sh --append-report F..  append reports written elsewhere (a device machine) to RESULTS.md
@@ -12,8 +12,10 @@
 # Options:
 #   --out DIR            where gpu_check_report.md, gpu_check.json and gpu_check.log go
 #                        (default: $OUT when set, e.g. on the lent device machine, else outputs/gpu_check/<stamp>)
-#   --total-seconds N    time budget of the whole command (default 1200); a part gets min(its limit, what is left)
-#                        (on the device tool, whose commands stop at 600 s: --total-seconds 560)
+#   --total-seconds N    time budget of the whole command (default: the sum of the chosen parts' limits plus 15 s
+#                        each and 120 s for installs; all parts: 3720 s); a part gets min(its limit, what is left),
+#                        and a part with under 60 s left is NOT RUN (on the device tool, whose commands stop at
+#                        600 s: --total-seconds 580 and few parts)
 #   --commit HASH        the commit to report where the checkout has no git metadata (the device machine's copy)
 #   --no-append          do not append the report to benchmarks/RESULTS.md (default: append when CUDA ran)
 #   --install            also try pip (network) for megatron-core / math-verify / psutil when they are missing
@@ -24,7 +26,8 @@
 # /tmp/gpu_check_site first: scripts/gpu_wheels.sh downloads megatron-core and math-verify for the device
 # machine's Python. A part whose packages are missing (Transformer Engine, vLLM on the lent machine) says what is
 # missing and is skipped. Without CUDA every part says "skipped: no CUDA" and the command exits 0.
-# Exit status: 0 when no part failed, 1 when one did, 2 for a usage error.
+# Exit status: 0 when every part passed or was skipped (no CUDA, missing package), 1 when one failed, 3 when none
+# failed but one was NOT RUN (the budget was spent before it), 2 for a usage error.
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -57,7 +60,7 @@ append_reports() {
 
 parts=()
 out_dir=""
-total=1200
+total=""
 commit=""
 append=1
 install_pip=0
@@ -124,6 +127,12 @@ if ((${#parts[@]} == 0)); then
   parts=("${all_parts[@]}")
 fi
 "$PY" "$check" list --validate "${parts[@]}" || exit 2
+if [[ -z $total ]]; then  # the budget covers every chosen part at its full limit
+  total=120
+  for part in "${parts[@]}"; do
+    total=$((total + ${limit_of[$part]} + 15))
+  done
+fi
 
 if [[ -z $out_dir ]]; then
   if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then

@@ -68,6 +68,21 @@ def test_without_cuda_parts_say_skipped_and_the_command_exits_0(tmp_path):
     assert results_md.read_text() == "# Measured results\n"  # nothing ran: nothing appended
 
 
+def test_default_budget_covers_the_parts_and_parts_left_out_are_not_run(tmp_path):
+    gc = _module()
+    limits = {part.name: part.timeout_s for part in gc.PARTS.values()}
+    out = _run("--part", "vllm,sleep_wake", "--out", str(tmp_path / "a"), "--no-append")
+    budget = 120 + limits["vllm"] + 15 + limits["sleep_wake"] + 15
+    assert f"total budget {budget} s" in out.stdout, out.stdout
+    assert "NOT RUN" not in out.stdout
+    # A budget too small for any part: each is reported NOT RUN and the exit status says so (not 0).
+    out = _run("--part", "vllm,sleep_wake", "--total-seconds", "30", "--out", str(tmp_path / "b"), "--no-append")
+    assert out.returncode == 3, out.stdout + out.stderr
+    report = (tmp_path / "b" / "gpu_check_report.md").read_text()
+    assert "| vllm | NOT RUN |" in report and "| sleep_wake | NOT RUN |" in report
+    assert "2 NOT RUN" in report
+
+
 def test_append_report_takes_only_gpu_check_reports(tmp_path):
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# Measured results\n\n## GPU check reports\n\nplaceholder\n")
@@ -105,12 +120,12 @@ def test_report_of_killed_budget_failed_and_passed_parts(tmp_path):
     (tmp_path / "sleep_wake.status").write_text("rc=budget seconds=0 limit=40")
     names = ["tests", "model_1p5b", "vllm", "train_tiny", "sleep_wake"]
     results = gc.load_results(tmp_path, names)
-    assert [r["status"] for r in results] == ["pass", "fail", "skip", "fail", "skip"]
+    assert [r["status"] for r in results] == ["pass", "fail", "skip", "fail", "NOT RUN"]
     assert "timed out after 420 s" in results[3]["summary"] and "1234,5000MiB" in results[3]["notes"][0]
-    assert "budget" in results[4]["summary"]
+    assert results[4]["summary"].startswith("NOT RUN: the total time budget was spent")
     report = gc.render_report(env, results, "scripts/gpu_check.sh --part x", cpu=False)
     assert report.startswith("## GPU check, 2026-11-24 10:00 UTC\n")
-    assert "- result: 1 passed, 2 failed, 2 skipped" in report
+    assert "- result: 1 passed, 2 failed, 1 skipped, 1 NOT RUN," in report and "| sleep_wake | NOT RUN |" in report
     assert "NVIDIA H100 80GB HBM3" in report and "transformer-engine missing" in report
     assert "| 1x2048 | 1.235e+04 |" in report and "| 1x4096 |  | OOM |" in report
     assert "OutOfMemoryError" in report
@@ -123,6 +138,11 @@ def test_report_of_killed_budget_failed_and_passed_parts(tmp_path):
     assert results_md.read_text().startswith("# Results\n\n## GPU check, ")
     assert gc.main(["report", "--work", str(tmp_path), "--parts", "tests vllm", "--command", "c",
                     "--out-dir", str(out_dir), "--strict"]) == 1  # the vLLM skip for a missing package fails
+    # No failure, but a part the budget left out: the check did not check everything, a distinct exit status.
+    assert gc.main(["report", "--work", str(tmp_path), "--parts", "tests vllm sleep_wake", "--command", "c",
+                    "--out-dir", str(out_dir)]) == gc.EXIT_NOT_RUN == 3
+    assert gc.main(["report", "--work", str(tmp_path), "--parts", "tests vllm", "--command", "c",
+                    "--out-dir", str(out_dir)]) == 0
 
 
 def test_skip_reasons():
