@@ -3,13 +3,21 @@
 # 3.12, manylinux_2_28 x86_64) with uv, which reads wheel metadata only: no CUDA wheel is downloaded, nothing is
 # installed. Where the two Pythons resolve a package differently the lock carries both lines with a
 # python_version marker. tests/test_gpu_lock.py re-resolves and compares with the committed lock.
-#   Usage: bash scripts/lock_gpu.sh [OUTPUT]   (default requirements-gpu.lock; needs uv: pip install uv)
+# The resolution only sees releases uploaded before RESOLVED_AT (uv's --exclude-newer), so re-running it gives the
+# same set until someone moves that date on purpose: a new release on PyPI cannot change the lock or fail the test.
+#   Usage: [RESOLVED_AT=2026-11-25T00:00:00Z] bash scripts/lock_gpu.sh [OUTPUT]
+#   (default: the date in the current lock's header; default OUTPUT requirements-gpu.lock; needs uv: pip install uv)
 # Install (docker/Dockerfile does this): pip install --no-deps -r requirements-gpu.lock && pip install --no-deps -e .
 # then Transformer Engine's torch extension: pip install --no-build-isolation --no-deps "transformer-engine-torch==2.11.0"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-requirements-gpu.lock}
 uv=${UV:-uv}
+resolved_at=${RESOLVED_AT:-$(sed -n 's/^# Resolved at: \([^ ]*\).*/\1/p' requirements-gpu.lock 2>/dev/null | head -n 1)}
+if [ -z "$resolved_at" ]; then
+  echo "lock_gpu: set RESOLVED_AT (e.g. RESOLVED_AT=$(date -u +%Y-%m-%dT00:00:00Z)): requirements-gpu.lock names none" >&2
+  exit 2
+fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # setup.py's install_requires + extras_require["gpu"], read without building the package.
@@ -22,9 +30,9 @@ print("\n".join(ast.literal_eval(names["CORE"]) + ast.literal_eval(names["EXTRAS
 PY
 for v in 3.11 3.12; do
   "$uv" pip compile "$work/gpu.in" --quiet --no-header --no-annotate --python-platform x86_64-manylinux_2_28 \
-    --python-version "$v" -o "$work/$v.txt"
+    --python-version "$v" --exclude-newer "$resolved_at" -o "$work/$v.txt"
 done
-python3 - "$work/3.11.txt" "$work/3.12.txt" >"$work/lock" <<'PY'
+python3 - "$work/3.11.txt" "$work/3.12.txt" "$resolved_at" >"$work/lock" <<'PY'
 import sys
 def pins(path):
     return dict(line.split("==", 1) for line in open(path).read().split() if "==" in line)
@@ -33,6 +41,7 @@ print("# The GPU environment, exactly (CPython 3.11/3.12, manylinux_2_28 x86_64,
 print("# >= 580). Made by scripts/lock_gpu.sh from setup.py's core + gpu requirements (uv, wheel metadata only).")
 print("# Install: pip install --no-deps -r requirements-gpu.lock && pip install --no-deps -e .")
 print("# then: pip install --no-build-isolation --no-deps transformer-engine-torch==2.11.0 (docker/Dockerfile)")
+print(f"# Resolved at: {sys.argv[3]} (releases uploaded later are not seen; RESOLVED_AT=... moves it)")
 for name in sorted(set(a) | set(b), key=str.lower):
     if a.get(name) == b.get(name):
         print(f"{name}=={a[name]}")

@@ -1,5 +1,6 @@
 """The GPU install cannot silently break: resolving setup.py's core + gpu requirements for the GPU platform (CPython
-3.11/3.12, manylinux_2_28 x86_64) with uv, which reads wheel metadata only, gives exactly requirements-gpu.lock, with
+3.11/3.12, manylinux_2_28 x86_64) with uv, which reads wheel metadata only, as of the lock's 'Resolved at' date
+(so that a later release on PyPI changes nothing), gives exactly requirements-gpu.lock, with
 the pinned vLLM/megatron-core/Transformer Engine and the CPU lock's torch and transformers. Needs only the package
 registry (PyPI); skipped with the reason when uv is missing or PyPI cannot be reached. And te_importable(): a
 Transformer Engine whose torch extension does not load counts as absent."""
@@ -74,8 +75,8 @@ def test_gpu_lock_resolves_for_the_gpu_platform(tmp_path):
     added = sorted(set(fresh) - set(committed))
     removed = sorted(set(committed) - set(fresh))
     assert not added and not removed, (
-        f"the GPU requirements resolve differently from requirements-gpu.lock (a new release?): now {added}, "
-        f"lock {removed}; check the new set, then run scripts/lock_gpu.sh and commit the lock")
+        f"the GPU requirements resolve differently from requirements-gpu.lock at its 'Resolved at' date (setup.py "
+        f"changed?): now {added}, lock {removed}; check the new set, then run scripts/lock_gpu.sh and commit the lock")
 
 
 _FAKE_TE = {
