@@ -324,7 +324,10 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     _, full, _ = uninterrupted
-    first, _ = _train(tmp_path, "trainer.steps=2", *_eval_args(tmp_path))
+    # The interrupted and the resumed run sleep as CUDA vLLM does (rollout.emulate_sleep, level 2: weights poisoned
+    # until a weight update); the uninterrupted run does not: a resume that generated before syncing would differ.
+    asleep = "rollout.emulate_sleep=true"
+    first, _ = _train(tmp_path, "trainer.steps=2", asleep, *_eval_args(tmp_path))
     # A crash after step 3 was logged but before its checkpoint: its row and scalars are on disk, then a torn line.
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 3, "reward_mean": -1.0}) + '\n{"step": 4, "rew')
@@ -332,7 +335,7 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
         writer.add_scalar("reward_mean", -1.0, 3)
     with open(tmp_path / "prompts.jsonl", "a") as f:
         f.write(json.dumps({"step": 3, "prompt_id": "crashed", "count": 1, "correct": 0}) + "\n")
-    resumed, _ = _train(tmp_path, "trainer.steps=4", "--resume", *_eval_args(tmp_path))
+    resumed, _ = _train(tmp_path, "trainer.steps=4", "--resume", asleep, *_eval_args(tmp_path))
     assert [m["step"] for m in first] == [0, 1, 2] and [m["step"] for m in resumed] == [0, 1, 2, 3, 4]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
@@ -458,8 +461,10 @@ def test_tp2_pp2_and_dp2_runs_match_tp1(uninterrupted, tmp_path):
     # on the local spec (block-diagonal mask; under PP the padding tail as a segment of its own).
     layouts = {"tp1": _eval_args(tmp_path / "tp1"),
                "tp2": ["parallel.tensor_parallel=2", "trainer.micro_batch_size=1"],
-               "pp2": ["parallel.pipeline_parallel=2", "trainer.pack_sequences=true", "trainer.micro_batch_tokens=96"],
-               "dp2": ["--nproc", "2", *_eval_args(tmp_path / "dp2"), "trainer.micro_batch_tokens=64"],
+               "pp2": ["parallel.pipeline_parallel=2", "trainer.pack_sequences=true", "trainer.micro_batch_tokens=96",
+                       "dynamo.loss.engine_is=truncate"],
+               "dp2": ["--nproc", "2", *_eval_args(tmp_path / "dp2"), "trainer.micro_batch_tokens=64",
+                       "dynamo.loss.engine_is=mask"],
                "tp2_rollout_tp2": ["parallel.tensor_parallel=2", "rollout.tensor_parallel=2",
                                    "trainer.pack_sequences=true", "trainer.micro_batch_size=5"]}
     runs = {name: _train(tmp_path / name, *common, *extra)[0] for name, extra in layouts.items()}
@@ -470,6 +475,11 @@ def test_tp2_pp2_and_dp2_runs_match_tp1(uninterrupted, tmp_path):
     runs = {name: [m for m in rows if "loss" in m] for name, rows in runs.items()}  # without the step-0 eval row
     assert all(m["loss"] != 0 and m["grad_norm"] > 0 and 0 < m["reward_mean"] < 1 for m in runs["tp1"])
     assert [m["rollout/engines"] for m in runs["tp1"]] == [1, 1]
+    # The engine (fp32 vLLM) and the trainer agree on every sampled token's log-prob at every layout, so the
+    # engine/trainer correction (truncate under PP, mask on two DP ranks) leaves the update as tp1's.
+    for name in layouts:
+        assert all(m["rollout/logp_gap_max"] < 1e-4 and m["rollout/engine_kl_k3"] < 1e-8 for m in runs[name]), name
+    assert all(m["actor/engine_is_capped_frac"] == 0 for name in ("pp2", "dp2") for m in runs[name])
     for name in layouts:
         if name == "tp1":
             continue
