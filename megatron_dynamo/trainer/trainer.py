@@ -292,9 +292,9 @@ class Trainer:
             state = load_checkpoint(latest, self.actor.chunks, self.actor.optimizer)
             self._load_trainer_state(state)
             start_step = state["step"]
-        else:
             if self.rank == 0:
                 log.info("--resume: loaded step %d from %s", start_step, latest)
+        else:
             self.sft_warmup()
         saved_step = start_step if latest is not None else None
         sync_weights(self.engine, self.actor, dtype=self.rollout_dtype)
