@@ -87,8 +87,14 @@ def wait_for(condition, timeout: float, what: str, job: int | None = None, log: 
 
 
 def release(job: int) -> float:
-    """A requeued job waits about 2 minutes (its BeginTime) before it starts again: let it start now."""
-    wait_for(lambda: job_info(job).get("JobState") == "PENDING", 60, "the requeued job to be pending", job)
+    """A requeued job waits about 2 minutes (its BeginTime) before it starts again: let it start now, once its
+    last start has ended on every node (released while the nodes still complete it, Slurm kills the new start:
+    "Job credential revoked")."""
+    def settled() -> bool:
+        nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout
+        return job_info(job).get("JobState") == "PENDING" and "comp" not in nodes
+
+    wait_for(settled, 120, "the requeued job to be pending on idle nodes", job)
     start = time.monotonic()
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, capture_output=True)
     return start
@@ -113,8 +119,8 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 
 def assert_same_metrics(got: dict[int, dict], want: dict[int, dict]) -> None:
     """Same steps; counts, rewards and allocations exactly equal (the same samples were drawn and scored); float
-    statistics of the model within rel 1e-5 (the two launchers run the same computation on differently threaded
-    CPU kernels: 1e-7 apart here)."""
+    statistics of the model within rel 1e-5 or abs 1e-6 (the two launchers run the same computation on differently
+    threaded CPU kernels: 1e-7 apart here)."""
     assert sorted(got) == sorted(want)
     for step in want:
         keys = {k for k in want[step] if not TIMING.match(k)} - {"rollout/engine_tokens_max_over_mean"}
@@ -122,7 +128,8 @@ def assert_same_metrics(got: dict[int, dict], want: dict[int, dict]) -> None:
         for key in sorted(keys):
             a, b = got[step][key], want[step][key]
             if isinstance(b, float) and not key.startswith(("reward", "alloc")):
-                assert a == pytest.approx(b, rel=1e-5, abs=1e-9), (step, key, a, b)
+                # abs 1e-6: statistics that are float noise themselves (the engine-trainer log-prob gap, 2e-7)
+                assert a == pytest.approx(b, rel=1e-5, abs=1e-6), (step, key, a, b)
             else:
                 assert a == b, (step, key, a, b)
 
@@ -191,7 +198,7 @@ def test_srun_per_rank_preempted_mid_checkpoint_resumes_and_scancel_leaves_nothi
     checkpoint and resumes from the last complete one; `scancel` then leaves no process of the job on either
     node."""
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
-    steps = 40  # long enough to be stopped by hand; checkpoint after every step
+    steps = 300  # never reached: the job is cancelled; a checkpoint after every step
     train = [sys.executable, "-m", "megatron_dynamo.cli", "train", *RECIPE, *OVERRIDES, f"trainer.steps={steps}",
              "trainer.sft_warmup_steps=0", "checkpoint.every=1", "checkpoint.keep_last=3",
              f"trainer.output_dir={run_dir}", "--resume"]
@@ -207,13 +214,30 @@ def test_srun_per_rank_preempted_mid_checkpoint_resumes_and_scancel_leaves_nothi
     subprocess.run(["scontrol", "requeue", str(job)], check=True)
     complete_then = sorted(p.name for p in checkpoints.glob("step_??????"))
     release(job)
-    loaded = wait_for(lambda: re.search(r"--resume: loaded step (\d+) from (\S+)", log.read_text()), 300,
-                      "the restarted job to load a checkpoint", job, log)
-    step = int(loaded.group(1))
-    assert Path(loaded.group(2)).name == f"step_{step:06d}" and not loaded.group(2).endswith(".tmp")
-    # The partial one was either finished before the processes were killed (it is complete now) or ignored.
-    assert step >= int(partial[0].name[5:11]) - 1, (step, partial, complete_then)
-    wait_for(lambda: max(metrics(run_dir), default=0) > step, 300, "a step after the resume", job, log)
+    header = "dynamo train: 2 ranks (srun)"
+
+    def second_start():
+        parts = log.read_text().split(header)
+        if len(parts) < 3:
+            return None
+        return re.search(r"--resume: (loaded step (\d+) from \S+|no checkpoint under \S+; starting from scratch)",
+                         parts[2])
+
+    resumed = wait_for(second_start, 300, "the restarted job to load a checkpoint or start anew", job, log)
+    second = log.read_text().split(header)[2]
+    cut = int(partial[0].name[5:11])
+    if resumed.group(2) is not None:  # a complete checkpoint: the one being written (finished within KillWait)
+        step = int(resumed.group(2))    # or the one before it
+        assert step in (cut, cut - 1) and (checkpoints / f"step_{step:06d}").is_dir(), (step, partial)
+    else:  # the save was cut short and there was no earlier checkpoint
+        step = 0
+        assert cut == 1 and f"ignoring {partial[0]}, the leftover of an interrupted save" in second, second[:3000]
+    def lines() -> int:
+        path = run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    before = lines()
+    wait_for(lambda: lines() > before, 300, "a step after the restart", job, log)
     subprocess.run(["scancel", str(job)], check=True)
     wait_for(lambda: finished(job), 120, "the cancelled job to end", job, log)
 
@@ -227,7 +251,7 @@ def test_srun_per_rank_preempted_mid_checkpoint_resumes_and_scancel_leaves_nothi
         time.sleep(1)
     assert not survivors(), survivors()
     print(f"\npreemption: requeued while writing {partial[0].name}; complete then: {complete_then}; "
-          f"resumed from step {step}")
+          f"restarted from step {step} ({resumed.group(1)})")
 
 
 def sbatch_wrap(command: str, *options: str) -> int:
