@@ -302,6 +302,48 @@ def test_cli_list_show_and_dryrun(tmp_path):
         assert proc.returncode == 2 and proc.stderr.startswith("dynamo launch:"), (bad, proc.stderr)
 
 
+def test_yaml_path_recipe_renders_a_cpu_slurm_job_whose_torchrun_passes_usr1_and_waits(tmp_path):
+    """A YAML path is a recipe (1 node x 1 GPU by default, named after the file); --gpus-per-node 0 asks for no GPU
+    and runs one rank per node; torchrun handles SIGUSR1 (nemo-run's time-limit signal) and gives the ranks 270 s."""
+    nemo()
+    dry = _cli("launch", "run", "configs/cpu_default.yaml", "--executor", "slurm", "--nodes", "2", "--gpus-per-node",
+               "0", "--rdzv-port", "29777", "--code-dir", "/c", "trainer.steps=3", "--dryrun")
+    assert dry.returncode == 0, dry.stderr
+    out = dry.stdout
+    assert out.startswith("# cpu_default: 2 node(s) x 1 CPU ranks = 2 ranks: TP=1 PP=1 CP=1 DP=2"), out[:200]
+    assert "#SBATCH --nodes=2\n" in out and "#SBATCH --job-name=dynamo-cpu_default\n" in out
+    assert "--gpus-per-node" not in out and "#SBATCH --signal=USR1@300\n" in out
+    assert "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1\n" in out
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=270\n" in out
+    assert "--rdzv-endpoint $head_node_ip:29777 --rdzv-id" in out and "--nnodes 2 --nproc-per-node 1 " in out
+    one = _cli("launch", "run", str(ROOT / "configs/cpu_default.yaml"), "--executor", "local", "--dryrun")
+    assert one.returncode == 0 and "--nproc-per-node 1" in one.stdout and one.stdout.startswith("# cpu_default: 1 node"), \
+        one.stdout + one.stderr
+    for bad in (["configs/nope.yaml"], ["configs/cpu_default.yaml", "--gpus-per-node", "-1"]):
+        proc = _cli("launch", "run", *bad, "--executor", "slurm", "--dryrun")
+        assert proc.returncode == 2 and proc.stderr.startswith("dynamo launch:"), (bad, proc.stderr)
+
+
+def test_repeated_usr1_is_one_stop_request_and_sigterm_after_it_still_kills(tmp_path):
+    """SIGUSR1 reaches a rank from Slurm and again from torchrun's agent: the second must not kill the rank while it
+    saves; a SIGTERM after it (torchrun's escalation) still stops it at once."""
+    script = tmp_path / "usr1.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from megatron_dynamo.parallel import stop_signals as stop\n"
+        "with stop.stop_on_signals('got {signal}'):\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "    time.sleep(0.2)\n"
+        "    print('alive', stop.received() == signal.SIGUSR1, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "print('not reached', flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.stdout == "alive True\n" and proc.stderr.count("got SIGUSR1") == 1, (proc.stdout, proc.stderr)
+    assert proc.returncode == -signal.SIGTERM
+
+
 def test_every_launch_option_has_help():
     parser = build_parser()
     launch = next(a for a in parser._actions if a.dest == "command").choices["launch"]

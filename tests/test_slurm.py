@@ -306,3 +306,38 @@ def test_convert_sbatch_both_directions_with_its_own_workers(slurm, tmp_path):
     back = load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(original) == sorted(back)
     assert all(original[k].dtype == back[k].dtype and (original[k] == back[k]).all() for k in original)
+
+
+def test_launch_run_yaml_through_nemo_run_slurm_executor_saves_on_usr1_and_finishes(slurm, tmp_path):
+    """`dynamo launch run configs/cpu_default.yaml --executor slurm` (nemo-run's SlurmExecutor, LocalTunnel, the
+    checkout linked as the job's code) on 2 nodes x 1 CPU rank: nemo-run's `--signal=USR1@300` (no `B:`) sent by
+    hand mid-run reaches torchrun and the ranks; the ranks save the step they are on, nemo-run's script requeues,
+    the next start resumes from that step and the job COMPLETES with every step logged."""
+    run_dir, job_dir = tmp_path / "run", tmp_path / "jobs"
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "launch", "run", *RECIPE, "--executor",
+                           "slurm", "--nodes", "2", "--gpus-per-node", "0", "--code-dir", str(ROOT), "--job-dir",
+                           str(job_dir), "--rdzv-port", str(29700 + os.getpid() % 1000), *OVERRIDES,
+                           f"trainer.output_dir={run_dir}"], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0 and "# cpu_default: SUBMITTED" in proc.stdout, proc.stdout + proc.stderr
+    # nemo-run's batch log: <job dir>/experiments/cpu_default/<experiment>/cpu_default/sbatch_dynamo-cpu_default_<id>.out
+    found = wait_for(lambda: list(job_dir.glob("experiments/cpu_default/*/cpu_default/sbatch_*.out")), 60,
+                     "nemo-run's batch log")
+    log = found[0]
+    job = int(log.stem.rsplit("_", 1)[1])
+    wait_for(lambda: 2 in metrics(run_dir), 300, "step 2 of the job", job, log)
+    signalled_after = max(metrics(run_dir))
+    subprocess.run(["scancel", "--signal=USR1", str(job)], check=True)  # what --signal=USR1@300 delivers
+    release(job)
+    state = wait_for(lambda: finished(job), 400, "the requeued job to finish", job, log)
+    ranks = "".join(p.read_text() for p in sorted(log.parent.glob("log-*.out")))
+    assert state == "COMPLETED", log.read_text()[-3000:] + ranks[-3000:]
+    assert job_info(job).get("Restarts") == "1", job_info(job)
+    saved = re.search(r"stopped by SIGUSR1 after step (\d+): its checkpoint is saved", ranks)
+    assert saved, ranks[-4000:]
+    saved_step = int(saved.group(1))
+    assert saved_step in (signalled_after, signalled_after + 1), (signalled_after, saved_step)
+    assert f"--resume: loaded step {saved_step} from" in ranks, ranks[-4000:]
+    assert sorted(metrics(run_dir)) == list(range(1, STEPS + 1))
+    assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+    print(f"\nnemo-run: signal during step {signalled_after + 1}, saved step {saved_step}, resumed from it")

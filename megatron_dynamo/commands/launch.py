@@ -31,7 +31,8 @@ import yaml
 
 
 def _site_arguments(parser) -> None:
-    parser.add_argument("name", help="recipe name (see `dynamo launch list`)")
+    parser.add_argument("name", help="recipe name (see `dynamo launch list`) or a YAML config path "
+                        "(configs/cpu_default.yaml: 1 node x 1 GPU unless --nodes/--gpus-per-node say otherwise)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="training recipes: config overrides (trainer.steps=50); conversion recipes: "
                              "src=, out=, tp=, pp=, tokenizer=, dtype=, force=")
@@ -57,7 +58,9 @@ def add_arguments(parser) -> None:
     run.add_argument("--executor", choices=["local", "slurm"], required=True,
                      help="local: torchrun on this machine; slurm: an sbatch job")
     run.add_argument("--nodes", type=int, default=None, help="nodes (default: the recipe's; local: 1)")
-    run.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the recipe's, 8)")
+    run.add_argument("--gpus-per-node", type=int, default=None,
+                     help="GPUs per node (default: the recipe's, 8; a YAML path: 1); 0: a CPU job, one rank per "
+                          "node and no GPU requested")
     run.add_argument("--account", default=env("DYNAMO_SLURM_ACCOUNT"),
                      help="Slurm account (default $DYNAMO_SLURM_ACCOUNT; none: no --account line)")
     run.add_argument("--partition", default=env("DYNAMO_SLURM_PARTITION"),
@@ -76,6 +79,8 @@ def add_arguments(parser) -> None:
     run.add_argument("--code-dir", default=None,
                      help="run from this checkout on the cluster instead of packaging the committed HEAD of "
                           "this checkout with git archive")
+    run.add_argument("--rdzv-port", type=int, default=29500,
+                     help="Slurm: torchrun's rendezvous port on the job's first node (default 29500)")
     run.add_argument("--retries", type=int, default=None,
                      help="Slurm requeues after a non-zero exit, time-limit requeues included (default 20 for "
                           "training, 0 for conversions)")
@@ -146,8 +151,10 @@ def _run(args) -> int:
         task = nemo.convert_task(CONVERSIONS[args.name], **_convert_params(args.overrides))
         nodes, gpus, env, torchrun, time_limit, retries = 1, None, {}, False, "04:00:00", 0
         summary = f"python -m checkpoints_convert {CONVERSIONS[args.name]} on 1 node (CPU)"
+        name = args.name
     else:
         recipe = get_recipe(args.name)
+        name = recipe.name  # a YAML path: its file name without .yaml (nemo-run's experiment and job name)
         task, cfg = nemo.train_task(recipe, args.overrides, _roots(args), args.algo)
         nodes = args.nodes or (1 if args.executor == "local" else recipe.nodes)
         if args.executor == "local" and recipe.nodes > 1 and args.nodes is None:
@@ -155,8 +162,12 @@ def _run(args) -> int:
                              "pass --nodes 1 to run it here anyway (fewer data-parallel ranks, more memory per GPU)")
         if args.executor == "local" and nodes != 1:
             raise ValueError("the local executor runs on one node: --nodes 1")
-        gpus = args.gpus_per_node or recipe.gpus_per_node
-        summary = check_layout(cfg, nodes, gpus).describe()
+        gpus = recipe.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+        if gpus < 0:
+            raise ValueError(f"--gpus-per-node must be >= 0, got {gpus}")
+        summary = check_layout(cfg, nodes, gpus or 1).describe()  # 0 GPUs: one CPU rank per node
+        if not gpus:
+            summary = summary.replace("GPUs", "CPU ranks", 1)
         env, torchrun, time_limit, retries = TRAIN_ENV, True, recipe.time, 20
     if args.executor == "local":
         executor = nemo.local_executor(gpus or 1, env, use_torchrun=torchrun)
@@ -165,15 +176,17 @@ def _run(args) -> int:
             account=args.account, partition=args.partition, time=args.time, container_image=args.container_image,
             container_mounts=tuple(m for m in args.mounts.split(",") if m), job_dir=args.job_dir,
             ssh_host=args.ssh_host, ssh_user=args.ssh_user, code_dir=args.code_dir,
-            retries=retries if args.retries is None else args.retries)
+            retries=retries if args.retries is None else args.retries, rdzv_port=args.rdzv_port)
         executor = nemo.slurm_executor(options, nodes, gpus, time_limit, env, use_torchrun=torchrun)
-    print(f"# {args.name}: {summary}", flush=True)
+    print(f"# {name}: {summary}", flush=True)
     if not args.dryrun:
-        state = nemo.submit(task, executor, args.name, detach=args.executor == "slurm")
-        print(f"# {args.name}: {state}")
+        local_job_dir = args.executor == "slurm" and not args.ssh_host and args.job_dir
+        state = nemo.submit(task, executor, name, detach=args.executor == "slurm",
+                            base_dir=args.job_dir if local_job_dir else None)
+        print(f"# {name}: {state}")
         return 1 if state == "FAILED" else 0
     with tempfile.TemporaryDirectory(prefix="dynamo-launch-") as base:
-        rendered = nemo.render(task, executor, args.name, base)
+        rendered = nemo.render(task, executor, name, base)
         if rendered.script is not None:
             print(f"# sbatch --requeue --parsable {rendered.script_path.name}\n{rendered.script}")
         else:

@@ -21,10 +21,17 @@ from typing import Any
 from megatron_dynamo.launch.entry import convert, train
 from megatron_dynamo.launch.recipes import PROJECT_ROOT, Recipe, SiteRoots, load_recipe, recipe_overrides
 
-# Seconds before the time limit at which Slurm sends SIGUSR1 to the job steps. torchrun and the ranks do not handle
-# USR1, so they exit, srun returns non-zero, and nemo-run's batch script runs `scontrol requeue` (retries left):
-# the next allocation resumes from the latest checkpoint. Preemption requeues through `sbatch --requeue`.
+# Seconds before the time limit at which Slurm sends SIGUSR1 to every process of the job step (nemo-run renders
+# `--signal=USR1@300`, no `B:`). The ranks take it as a stop request (parallel.stop_signals: finish the step, save
+# it, exit 138); torchrun's agent is told to handle it too (--signals-to-handle): it passes it on and
+# waits STOP_GRACE_S for the ranks before it kills them (its default, 30 s, is no time for a step and a save), then
+# exits non-zero, srun returns non-zero and nemo-run's batch script runs `scontrol requeue` (retries left): the
+# next allocation resumes from the saved step. Preemption requeues through `sbatch --requeue`.
 SIGNAL_BEFORE_LIMIT_S = 300
+STOP_GRACE_S = 270
+# The environment torchrun's agent needs for that (added to a Slurm training job's environment).
+TORCHRUN_STOP_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",  # torchrun --signals-to-handle
+                     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(STOP_GRACE_S)}
 
 
 def _nemo_run():
@@ -88,7 +95,8 @@ class SlurmOptions:
     """Where and how to submit. ``job_dir``: nemo-run's experiment directory on the cluster (shared file system;
     default ``~/.nemo_run/experiments`` of the submitting user). ``ssh_host``: submit from a workstation through
     SSH (else ``sbatch`` runs on this machine, a login node). ``code_dir``: a checkout already on the cluster to
-    run from; without it the committed HEAD of the checkout you launch from is packaged with ``git archive``."""
+    run from; without it the committed HEAD of the checkout you launch from is packaged with ``git archive``.
+    Without ``ssh_host`` (sbatch on this machine) the experiments go to ``<job_dir>/experiments/``."""
 
     account: str | None = None
     partition: str | None = None
@@ -101,12 +109,15 @@ class SlurmOptions:
     code_dir: str | None = None
     retries: int = 20
     exclusive: bool = True
+    rdzv_port: int = 29500
 
 
 def slurm_executor(options: SlurmOptions, nodes: int, gpus_per_node: int | None, time: str,
                    env: dict[str, str] | None = None, use_torchrun: bool = True):
     """One sbatch job of ``nodes`` nodes: one srun task per node running torchrun with ``gpus_per_node`` processes
-    (rendezvous on the first node), requeued on preemption and ``SIGNAL_BEFORE_LIMIT_S`` before the time limit.
+    (rendezvous on the first node, port ``options.rdzv_port``), requeued on preemption and ``SIGNAL_BEFORE_LIMIT_S``
+    before the time limit (the ranks save first, see ``TORCHRUN_STOP_ENV``). ``gpus_per_node`` 0 or None: no GPU
+    request, one rank per node.
     ``use_torchrun=False``: one plain task (the conversions), no time-limit signal."""
     run = _nemo_run()
 
@@ -116,23 +127,26 @@ def slurm_executor(options: SlurmOptions, nodes: int, gpus_per_node: int | None,
         tunnel = run.SSHTunnel(host=options.ssh_host, user=options.ssh_user or os.environ.get("USER", ""),
                                job_dir=options.job_dir)
     else:
-        tunnel = run.LocalTunnel(job_dir=options.job_dir)
+        # nemo-run writes the experiment under <base_dir>/experiments/ and sbatch reads it from the tunnel's job
+        # directory: on this machine they must be the same directory (submit(base_dir=options.job_dir)).
+        tunnel = run.LocalTunnel(job_dir=os.path.join(options.job_dir, "experiments") if options.job_dir else "")
     mounts = list(options.container_mounts)
     if options.code_dir:
         # nemo-run links <job dir>/code to this directory; the container must see it under the same path.
-        packager = run.Packager(symlink_from_remote_dir=options.code_dir)
+        # (a subclass of Packager: nemo-run links the code directory only for those, not for Packager itself)
+        packager = run.PatternPackager(include_pattern=[], relative_path=[], symlink_from_remote_dir=options.code_dir)
         mounts.append(f"{options.code_dir}:{options.code_dir}")
     else:
         packager = run.GitArchivePackager(basepath=str(PROJECT_ROOT))
     return run.SlurmExecutor(
         account=options.account, partition=options.partition, nodes=nodes,
-        ntasks_per_node=(gpus_per_node or 1) if use_torchrun else 1, gpus_per_node=gpus_per_node,
+        ntasks_per_node=(gpus_per_node or 1) if use_torchrun else 1, gpus_per_node=gpus_per_node or None,
         time=options.time or time, exclusive=options.exclusive or None,
         container_image=options.container_image, container_mounts=mounts,
-        env_vars=dict(env or {}), signal=f"USR1@{SIGNAL_BEFORE_LIMIT_S}" if use_torchrun else None,
-        retries=options.retries,
+        env_vars={**(env or {}), **(TORCHRUN_STOP_ENV if use_torchrun else {})},
+        signal=f"USR1@{SIGNAL_BEFORE_LIMIT_S}" if use_torchrun else None, retries=options.retries,
         job_name_prefix="dynamo-", tunnel=tunnel, packager=packager,
-        launcher="torchrun" if use_torchrun else None)
+        launcher=run.Torchrun(rdzv_port=options.rdzv_port) if use_torchrun else None)
 
 
 @dataclass(frozen=True)

@@ -83,9 +83,20 @@ class SiteRoots:
 
 
 def get_recipe(name: str) -> Recipe:
-    if name not in RECIPES:
-        raise ConfigError(f"unknown recipe {name!r}; recipes: {', '.join([*RECIPES, *CONVERSIONS])}")
-    return RECIPES[name]
+    """A catalog recipe by name, or a YAML file (``configs/cpu_default.yaml``; relative to the current directory
+    or the project root) as a recipe of 1 node x 1 GPU named after the file (``--nodes``/``--gpus-per-node``
+    change the shape; ``--gpus-per-node 0``: one CPU rank per node)."""
+    if name in RECIPES:
+        return RECIPES[name]
+    if name.endswith((".yaml", ".yml")):
+        for path in (Path(name), PROJECT_ROOT / name):
+            if path.is_file():
+                path = path.resolve()
+                config = str(path.relative_to(PROJECT_ROOT)) if path.is_relative_to(PROJECT_ROOT) else str(path)
+                return Recipe(Path(name).stem, config, nodes=1, gpus_per_node=1, time="04:00:00",
+                              description=f"the YAML {config}")
+        raise ConfigError(f"recipe file {name} does not exist")
+    raise ConfigError(f"unknown recipe {name!r}; recipes: {', '.join([*RECIPES, *CONVERSIONS])} or a YAML path")
 
 
 def config_path(recipe: Recipe) -> Path:

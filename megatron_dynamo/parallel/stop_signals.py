@@ -1,5 +1,7 @@
-"""Graceful stop on SIGINT / SIGTERM: the first signal asks the run to stop at the next step boundary, a second one
-kills the process at once.
+"""Graceful stop on SIGINT / SIGTERM / SIGUSR1: the first signal asks the run to stop at the next step boundary, a
+second SIGINT or SIGTERM kills the process at once. SIGUSR1 is Slurm's time-limit notice (``--signal=USR1@300``, as
+nemo-run's batch script asks for it): it may arrive twice (from Slurm and forwarded by torchrun's agent), so a
+repeated SIGUSR1 is ignored instead of killing.
 
 - :func:`stop_on_signals` (a context manager, main thread): the first SIGINT or SIGTERM only records the signal
   (:func:`received`) and sets both back to the default action, so a second one terminates the process even when it
@@ -19,7 +21,9 @@ import signal
 import threading
 from typing import Callable, Iterable, Iterator
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# Signals whose repetition is no "stop at once" (the time-limit notice reaches a rank directly and via torchrun).
+REPEATABLE = (signal.SIGUSR1,)
 
 _received: int | None = None
 
@@ -69,7 +73,7 @@ def stop_on_signals(message: str | None = None, signals: Iterable[int] = STOP_SI
         if _received is None:
             _received = signum
         for sig in signals:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if sig in REPEATABLE else signal.SIG_DFL)
         if message:  # os.write: print() may be in the middle of writing to the same stream
             os.write(2, (message.format(signal=signal_name(signum)) + "\n").encode())
 
