@@ -290,10 +290,11 @@ def _response_positions(micro_batch: dict[str, torch.Tensor]) -> list[tuple[int,
 def scatter_token_values(micro_batch: dict[str, torch.Tensor], values: dict[int, torch.Tensor],
                          name: str) -> None:
     """Put per-sample token values (e.g. old log-probs, [R] per sample) at the response positions of a
-    micro-batch as ``micro_batch[name]`` (shaped like ``loss_mask``: [B, S], or [1, T] packed; 0 elsewhere)."""
+    micro-batch as ``micro_batch[name]`` (shaped like ``loss_mask``: [B, S], or [1, T] packed; 0 elsewhere). The
+    values may live on the host (the engine's log-probs): they are copied to the micro-batch's device."""
     out = torch.zeros_like(micro_batch["loss_mask"])
     for index, position in _response_positions(micro_batch):
-        out[position] = values[index].to(out.dtype)
+        out[position] = values[index].to(device=out.device, dtype=out.dtype)
     micro_batch[name] = out
 
 
