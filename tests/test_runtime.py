@@ -16,12 +16,16 @@ def test_torchrun_variables():
 
 
 def test_slurm_variables():
+    # What srun gives each task (SLURM_STEP_ID included: a task of a job step).
     env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NODELIST": "gpu-a[017-018,020]"}
+           "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu-a[017-018,020]"}
     info = detect_launch(env)
     assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.launcher) == \
         (9, 16, 1, "gpu-a017", "slurm")
     assert info.master_port == detect_launch(env).master_port == 24242
+    # The batch script's own shell has the job's SLURM_PROCID/NTASKS but no step: one process, not rank 0 of 16.
+    batch_shell = {k: v for k, v in env.items() if k != "SLURM_STEP_ID"}
+    assert (detect_launch(batch_shell).world_size, detect_launch(batch_shell).launcher) == (1, "single")
 
 
 def test_torchrun_variables_win_over_slurm():
