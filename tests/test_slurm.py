@@ -320,7 +320,7 @@ def test_launch_run_yaml_through_nemo_run_slurm_executor_saves_on_usr1_and_finis
                            f"trainer.output_dir={run_dir}"], capture_output=True, text=True, env=_env(), cwd=ROOT,
                           timeout=120)
     assert proc.returncode == 0 and "# cpu_default: SUBMITTED" in proc.stdout, proc.stdout + proc.stderr
-    # nemo-run's batch log: <job dir>/experiments/cpu_default/<experiment>/cpu_default/sbatch_dynamo-cpu_default_<id>.out
+    # nemo-run's batch log: <job dir>/experiments/cpu_default/<experiment>/cpu_default/sbatch_dynamo-..._<id>.out
     found = wait_for(lambda: list(job_dir.glob("experiments/cpu_default/*/cpu_default/sbatch_*.out")), 60,
                      "nemo-run's batch log")
     log = found[0]

@@ -12,8 +12,9 @@
 A training recipe is configs/<name>.yaml (see `show`) plus its cluster shape. The task is a run.Partial of
 megatron_dynamo.launch.entry.train (the code path of `dynamo train`, one process per GPU under torchrun) with
 resume on: every (re)start continues from the latest checkpoint, the first one starts from scratch. Slurm jobs
-requeue on preemption, and 5 minutes before the time limit (SIGUSR1 -> non-zero exit -> scontrol requeue, up to
---retries times). Site paths come from --ckpt-root / --data-dir / --output-root or DYNAMO_CKPT_ROOT /
+requeue on preemption, and 5 minutes before the time limit (SIGUSR1 -> the ranks save the step they are on ->
+non-zero exit -> scontrol requeue, up to --retries times). RECIPE may also be a YAML path (configs/cpu_default.yaml;
+--gpus-per-node 0 runs CPU ranks). Site paths come from --ckpt-root / --data-dir / --output-root or DYNAMO_CKPT_ROOT /
 DYNAMO_DATA_DIR / DYNAMO_OUTPUT_ROOT; Slurm defaults from DYNAMO_SLURM_ACCOUNT, DYNAMO_SLURM_PARTITION,
 DYNAMO_CONTAINER_IMAGE, DYNAMO_CONTAINER_MOUNTS, DYNAMO_JOB_DIR. Conversion recipes take key=value parameters:
 src, out, tp, pp, tokenizer, dtype, force. `run` needs nemo-run (pip install -e ".[launch]"); list and show do
