@@ -90,9 +90,17 @@ def release(job: int) -> float:
     """A requeued job waits about 2 minutes (its BeginTime) before it starts again: let it start now, once its
     last start has ended on every node (released while the nodes still complete it, Slurm kills the new start:
     "Job credential revoked")."""
+    def idle() -> bool:
+        states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout.split()
+        return bool(states) and all(state == "idle" for state in states)
+
     def settled() -> bool:
-        nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout
-        return job_info(job).get("JobState") == "PENDING" and "comp" not in nodes
+        # Every node idle, and still idle a moment later: right after the requeue the nodes can still show the
+        # last start as allocated before they pass through "completing" (released then: credential revoked).
+        if job_info(job).get("JobState") != "PENDING" or not idle():
+            return False
+        time.sleep(2)
+        return idle()
 
     wait_for(settled, 120, "the requeued job to be pending on idle nodes", job)
     start = time.monotonic()
