@@ -6,6 +6,8 @@
 - modulation: beta_comp (eq. 3), beta_stab (eq. 4), Delta H (Theorem 1), mini-batch/DP normalisation scope.
 - losses: PPO clip (separate bounds, dual clip), aggregation modes, KL (k3) and entropy terms (registry).
 - config: AllocationConfig, ModulationConfig, PolicyLossConfig with the paper's defaults.
+- baselines: the seven baselines of the paper's Table 1 (policy losses, an advantage estimator, mini-batch-wide
+  token selections), registered on import.
 """
 
 from .advantages import (
@@ -27,6 +29,7 @@ from .allocation import (
     water_level,
 )
 from .config import AllocationConfig, ModulationConfig, PolicyLossConfig
+from .baselines import BASELINES, SELECTION_LOSSES, mini_batch_selection
 from .losses import (
     PolicyLossOutput,
     compute_actor_loss,
@@ -53,6 +56,8 @@ from .modulation import (
 
 __all__ = [
     "AllocationConfig",
+    "BASELINES",
+    "SELECTION_LOSSES",
     "ModulationConfig",
     "ModulationInputs",
     "ModulationScope",
@@ -74,6 +79,7 @@ __all__ = [
     "group_advantages",
     "k3_kl",
     "loss_agg",
+    "mini_batch_selection",
     "modulate_advantages",
     "modulation_scope",
     "optimal_variance_ratio",

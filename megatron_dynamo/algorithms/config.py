@@ -16,6 +16,8 @@ DELTA_H_MODES = ("exact", "sequence_mean")
 # weights before each later mini-batch (exact for every mini-batch, one more forward over it).
 SCOPE_SOURCES = ("old_policy", "current_policy")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+#: dynamo.loss.engine_is: how the trainer corrects for the engine/trainer log-prob gap (losses.engine_importance_weights).
+ENGINE_IS_MODES = ("off", "truncate", "mask")
 
 
 def _is_int(value: object) -> bool:
@@ -126,6 +128,8 @@ class PolicyLossConfig:
     and the trainer's old-policy one (``losses.engine_importance_weights``): ``off``, ``truncate`` (weight
     min(pi_old / pi_engine, ``engine_is_cap``), verl's and slime's truncated importance sampling) or ``mask`` (drop
     tokens whose ratio lies outside [1 / cap, cap]). ``engine_is_cap`` > 1 (2.0, verl's default).
+    The ``entropy_loss_*``, ``fork_*``, ``entropy_adv_*``, ``clip_cov_*``, ``kl_cov_*`` and ``w_reinforce_*`` fields
+    parameterise the baseline losses of the same names (``algorithms/baselines.py``).
     """
 
     name: str = "ppo_clip"
@@ -137,6 +141,18 @@ class PolicyLossConfig:
     loss_agg_mode: str = "token-mean"
     engine_is: str = "off"
     engine_is_cap: float = 2.0
+    # The baselines of the paper's Table 1 (``algorithms/baselines.py``, sources and defaults cited there); each is
+    # read only by the policy loss of its name.
+    entropy_loss_coef: float = 0.001
+    fork_top_ratio: float = 0.2
+    entropy_adv_alpha: float = 0.4
+    entropy_adv_kappa: float = 2.0
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
+    w_reinforce_lambda: float = 0.1
 
     def validate(self) -> "PolicyLossConfig":
         if not _is_real(self.clip_low) or not 0 <= self.clip_low < 1:
@@ -152,15 +168,26 @@ class PolicyLossConfig:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(
                 f"PolicyLossConfig.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
-        from .losses import ENGINE_IS_MODES, registered_policy_losses  # late import: losses imports this module
-
         if self.engine_is not in ENGINE_IS_MODES:
             raise ValueError(f"PolicyLossConfig.engine_is must be one of {ENGINE_IS_MODES}, got {self.engine_is!r}")
         if not _is_real(self.engine_is_cap) or self.engine_is_cap <= 1:
             raise ValueError(f"PolicyLossConfig.engine_is_cap must be a finite number > 1, got {self.engine_is_cap!r}")
-
-        if self.name not in registered_policy_losses():
-            raise ValueError(
-                f"PolicyLossConfig.name {self.name!r} is not a registered policy loss "
-                f"(registered: {sorted(registered_policy_losses())})")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"PolicyLossConfig.name must be a non-empty string, got {self.name!r}")
+        # Whether ``name`` is registered is checked where the registry is consulted (losses.get_policy_loss, and the
+        # trainer's config validation), so that this module imports no implementation (issue 27).
+        for field_name in ("entropy_loss_coef", "entropy_adv_alpha", "kl_cov_coef", "w_reinforce_lambda"):
+            value = getattr(self, field_name)
+            if not _is_real(value) or value < 0:
+                raise ValueError(f"PolicyLossConfig.{field_name} must be a finite number >= 0, got {value!r}")
+        for field_name in ("fork_top_ratio", "clip_cov_ratio", "kl_cov_ratio"):
+            value = getattr(self, field_name)
+            if not _is_real(value) or not 0 < value <= 1:
+                raise ValueError(f"PolicyLossConfig.{field_name} must lie in (0, 1], got {value!r}")
+        if not _is_real(self.entropy_adv_kappa) or self.entropy_adv_kappa <= 0:
+            raise ValueError(f"PolicyLossConfig.entropy_adv_kappa must be a finite number > 0, "
+                             f"got {self.entropy_adv_kappa!r}")
+        if not (_is_real(self.clip_cov_lb) and _is_real(self.clip_cov_ub)) or self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"PolicyLossConfig.clip_cov_lb ({self.clip_cov_lb!r}) must be a finite number below "
+                             f"clip_cov_ub ({self.clip_cov_ub!r})")
         return self

@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import LOSS_AGG_MODES, PolicyLossConfig
+from .config import ENGINE_IS_MODES, LOSS_AGG_MODES, PolicyLossConfig
 
 # exp() of a log-ratio beyond +-20 only produces inf/0; clamping there (as verl does) keeps the loss finite.
 LOG_RATIO_LIMIT = 20.0
-#: dynamo.loss.engine_is: how the trainer corrects for the engine/trainer log-prob gap (engine_importance_weights).
-ENGINE_IS_MODES = ("off", "truncate", "mask")
 
 
 @dataclass
@@ -39,8 +37,11 @@ _POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering ``fn(logp, old_logp, advantages, mask, cfg, *, global_denominator, seq_ids)``
-    returning a ``PolicyLossOutput`` under ``name``. A different function under a taken name raises ValueError."""
+    """Decorator registering ``fn(logp, old_logp, advantages, mask, cfg, *, global_denominator, seq_ids, entropy,
+    selection)`` returning a ``PolicyLossOutput`` under ``name``. ``entropy`` is the per-token entropy of the
+    current policy (no gradient needed), ``selection`` the per-token values a mini-batch-wide selection made before
+    the update (``baselines.mini_batch_selection``); a loss that does not use them ignores them. A different
+    function under a taken name raises ValueError."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         existing = _POLICY_LOSSES.get(name)
@@ -211,7 +212,8 @@ def to_token_shape(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   cfg: PolicyLossConfig, *, global_denominator: float | torch.Tensor | None = None,
-                  seq_ids: torch.Tensor | None = None) -> PolicyLossOutput:
+                  seq_ids: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                  selection: torch.Tensor | None = None) -> PolicyLossOutput:
     """PPO clip (appendix I objective, GRPO form) with separate clip bounds and dual clip, per token t:
 
         l_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
@@ -219,7 +221,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
 
     aggregated by ``loss_agg`` with ``cfg.loss_agg_mode``. ``advantages`` (token level, or one per sequence) are
     treated as constants. Metrics (detached, over this batch's valid tokens): clip fractions, approx KL to the old
-    policy (mean of log pi_old - log pi), ratio mean/max.
+    policy (mean of log pi_old - log pi), ratio mean/max. ``entropy`` and ``selection`` are not used.
     """
     advantages = to_token_shape(advantages, logp).detach().to(logp.dtype)
     valid = mask.bool()
@@ -257,14 +259,17 @@ def compute_actor_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: t
                        cfg: PolicyLossConfig, *, ref_logp: torch.Tensor | None = None,
                        entropy: torch.Tensor | None = None,
                        global_denominator: float | torch.Tensor | None = None,
-                       seq_ids: torch.Tensor | None = None) -> PolicyLossOutput:
+                       seq_ids: torch.Tensor | None = None,
+                       selection: torch.Tensor | None = None) -> PolicyLossOutput:
     """Total actor loss: policy loss ``cfg.name`` + kl_coef * agg(k3 KL vs ``ref_logp``) - entropy_coef * agg(H).
 
     All terms use the same aggregation mode and ``global_denominator``. ``ref_logp`` is required when
     kl_coef > 0, ``entropy`` (with gradient) when entropy_coef != 0; when given they are also reported.
+    ``entropy`` and ``selection`` are passed on to the policy loss (the baselines use them).
     """
     output = get_policy_loss(cfg.name)(logp, old_logp, advantages, mask, cfg,
-                                       global_denominator=global_denominator, seq_ids=seq_ids)
+                                       global_denominator=global_denominator, seq_ids=seq_ids, entropy=entropy,
+                                       selection=selection)
     loss = output.loss
     metrics = dict(output.metrics)
     valid = mask.bool()

@@ -37,8 +37,12 @@ def _site_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="training recipes: config overrides (trainer.steps=50); conversion recipes: "
                              "src=, out=, tp=, pp=, tokenizer=, dtype=, force=")
-    parser.add_argument("--algo", choices=["dynamo", "grpo"], default="dynamo",
-                        help="dynamo: the recipe as given; grpo: allocation and modulation off")
+    from megatron_dynamo.trainer.config import ALGORITHMS
+
+    parser.add_argument("--algo", choices=ALGORITHMS, default="dynamo",
+                        help="dynamo: the recipe as given; grpo: dynamic allocation and both modulation factors off; "
+                             "clip_higher, entropy_loss, fork_tokens, entropy_adv, clip_cov, kl_cov, w_reinforce: "
+                             "GRPO plus that baseline of the paper's Table 1 (README, algorithms/baselines.py)")
     parser.add_argument("--ckpt-root", default=None,
                         help="directory of HF checkpoints: model.checkpoint/tokenizer become <root>/<HF name> "
                              "(default $DYNAMO_CKPT_ROOT, else the YAML's relative path)")

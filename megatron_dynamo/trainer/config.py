@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from megatron_dynamo.algorithms.baselines import BASELINES
 from megatron_dynamo.algorithms.config import AllocationConfig, ModulationConfig, PolicyLossConfig
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml, validate_tree
 from megatron_dynamo.parallel.runtime import ParallelConfig
@@ -158,10 +159,17 @@ class DynamoConfig:
 
     def validate(self) -> None:
         from megatron_dynamo.algorithms.advantages import registered_advantage_estimators
+        from megatron_dynamo.algorithms.losses import registered_policy_losses
 
         if self.advantage_estimator not in registered_advantage_estimators():
             raise ValueError(f"advantage_estimator {self.advantage_estimator!r} is not registered "
                              f"(registered: {list(registered_advantage_estimators())})")
+        if self.loss.name not in registered_policy_losses():
+            raise ValueError(f"loss.name {self.loss.name!r} is not a registered policy loss "
+                             f"(registered: {list(registered_policy_losses())})")
+        if self.loss.name == "fork_tokens" and self.loss.loss_agg_mode != "token-mean":
+            raise ValueError("loss.name fork_tokens needs loss.loss_agg_mode token-mean (its source's token mean "
+                             "over the selected tokens)")
         # The paper trains with both at 0; the trainer has no reference model for the KL term yet, and the
         # vocab-parallel routine returns the entropy without gradient.
         if self.loss.kl_coef != 0 or self.loss.entropy_coef != 0:
@@ -331,17 +339,23 @@ def eval_config(run: RunConfig, stop_token_ids: tuple[int, ...] = ()):
                       seed=run.trainer.seed, answer_candidates=ev.answer_candidates, stop_token_ids=stop_token_ids)
 
 
-ALGORITHMS = ("dynamo", "grpo")
+#: --algo names: DynaMO, GRPO and the seven baselines of the paper's Table 1 (algorithms/baselines.py).
+ALGORITHMS = ("dynamo", "grpo", *BASELINES)
 
 
 def with_algorithm(run: RunConfig, algo: str) -> RunConfig:
-    """``dynamo``: the config as given. ``grpo``: allocation and both modulation factors off (plain GRPO)."""
+    """``dynamo``: the config as given. ``grpo``: allocation and both modulation factors off (plain GRPO). A
+    baseline name: GRPO plus that baseline's changes (``algorithms.baselines.BASELINES``), over the recipe's
+    values."""
     if algo not in ALGORITHMS:
         raise ConfigError(f"--algo must be one of {ALGORITHMS}, got {algo!r}")
     if algo == "dynamo":
         return run
     dynamo = replace(run.dynamo, allocation=replace(run.dynamo.allocation, enabled=False),
                      modulation=replace(run.dynamo.modulation, gc=False, ums=False))
+    if algo in BASELINES:
+        changes = dict(BASELINES[algo])
+        dynamo = replace(dynamo, loss=replace(dynamo.loss, **changes.pop("loss", {})), **changes)
     return replace(run, dynamo=dynamo)
 
 
