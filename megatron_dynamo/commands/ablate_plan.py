@@ -1,0 +1,149 @@
+"""``dynamo ablate``'s plan: which runs (the SFT warm-up and the variants, seed-major), their directories and train
+commands, the state of a run on disk (done / resume / fresh), and ``ablation_plan.json`` (what a later call must
+match). No process is started here."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from megatron_dynamo.report.ablation import SFT, VARIANTS
+
+PLAN_FILE = "ablation_plan.json"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of the ablation: the SFT warm-up of a seed (``variant == "sft"``) or a variant."""
+
+    variant: str
+    seed: int
+    output_dir: str
+    sft_seed: int | None = None  # a variant: the seed of the SFT run it starts from (None: no SFT run)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.variant, self.seed
+
+    @property
+    def is_sft(self) -> bool:
+        return self.variant == SFT
+
+    def describe(self) -> str:
+        return f"{'SFT warm-up' if self.is_sft else self.variant} seed {self.seed}"
+
+
+def run_dir(output_dir: str, variant: str, seed: int) -> str:
+    if variant == SFT:
+        return os.path.join(output_dir, "sft", f"seed{seed}")
+    return os.path.join(output_dir, "runs", variant, f"seed{seed}")
+
+
+def plan_runs(output_dir: str, seeds: Sequence[int], variants: Sequence[str], with_sft: bool,
+              shared_sft_seed: int | None = None) -> list[RunSpec]:
+    """Seed-major: for each seed its SFT run (when the recipe warms up), then its variants; with
+    ``shared_sft_seed``, one SFT run (that seed) first, the start of every variant of every seed."""
+    specs = []
+    if with_sft and shared_sft_seed is not None:
+        specs.append(RunSpec(SFT, shared_sft_seed, run_dir(output_dir, SFT, shared_sft_seed)))
+    for seed in seeds:
+        sft_seed = None
+        if with_sft:
+            sft_seed = seed if shared_sft_seed is None else shared_sft_seed
+            if shared_sft_seed is None:
+                specs.append(RunSpec(SFT, seed, run_dir(output_dir, SFT, seed)))
+        specs.extend(RunSpec(v, seed, run_dir(output_dir, v, seed), sft_seed) for v in variants)
+    return specs
+
+
+def run_overrides(spec: RunSpec, user_overrides: Sequence[str], steps: int,
+                  sft_checkpoint: str | None = None) -> list[str]:
+    """The train overrides of a run: the user's, then the run's own (later ones win)."""
+    own = [f"trainer.seed={spec.seed}", f"trainer.output_dir={spec.output_dir}"]
+    if spec.is_sft:
+        return [*user_overrides, *own, "trainer.steps=0", "evaluation.at_start=true"]
+    own.append(f"evaluation.every={steps}")
+    if sft_checkpoint is not None:
+        # the SFT run evaluated this very model already: no second evaluation at step 0
+        own += [f"model.checkpoint={sft_checkpoint}", "trainer.sft_warmup_steps=0", "evaluation.at_start=false"]
+    return [*user_overrides, *VARIANTS[spec.variant].overrides(), *own]
+
+
+
+def train_command(config: str, overrides: Sequence[str], resume: bool = False, python: str = sys.executable,
+                  algo: str = "dynamo") -> list[str]:
+    """``python -m megatron_dynamo.cli train CONFIG [overrides] --algo ALGO [--resume]``."""
+    return [python, "-m", "megatron_dynamo.cli", "train", config, *overrides, "--algo", algo,
+            *(["--resume"] if resume else [])]
+
+
+def variant_algo(variant: str) -> str:
+    """The --algo of a run: the variant's (a Table 1 baseline: its own name), ``dynamo`` for the SFT warm-up."""
+    return "dynamo" if variant == SFT else VARIANTS[variant].algo
+
+
+def read_run(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(metrics records, prompts rows or None) of a run directory; empty when it has no metrics yet."""
+    from megatron_dynamo.report.runs import METRICS_FILE, load_run
+
+    if not os.path.isfile(os.path.join(path, METRICS_FILE)):
+        return [], None
+    run = load_run(path)
+    return run.records, run.prompts
+
+
+def checkpoints_of(path: str) -> list[int]:
+    """Steps of the complete checkpoints under ``<path>/checkpoints``."""
+    from megatron_dynamo.trainer.checkpoint import list_checkpoints
+
+    return [step for step, _ in list_checkpoints(os.path.join(path, "checkpoints"))]
+
+
+def sft_checkpoint(path: str) -> str | None:
+    from megatron_dynamo.trainer.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(os.path.join(path, "checkpoints"))
+    return str(latest) if latest is not None else None
+
+
+def run_state(spec: RunSpec, steps: int) -> str:
+    """``done`` (reuse), ``resume`` (a checkpoint to continue from) or ``fresh`` (start over)."""
+    from megatron_dynamo.report.ablation import has_final_eval, training_rows
+
+    saved = checkpoints_of(spec.output_dir)
+    if spec.is_sft:
+        return "done" if 0 in saved else "fresh"
+    records, _ = read_run(spec.output_dir)
+    finished = {r["step"] for r in training_rows(records)} >= set(range(1, steps + 1))
+    if finished and has_final_eval(records, steps):
+        return "done"
+    return "resume" if saved else "fresh"
+
+
+def plan_record(config: str, overrides: Sequence[str], recipe: Mapping[str, Any], budget: Mapping[str, Any],
+                seeds: Sequence[int], variants: Sequence[str]) -> dict[str, Any]:
+    """What ``ablation_plan.json`` holds. ``recipe``: the resolved config (YAML + overrides) as plain data."""
+    return {"config": config, "overrides": list(overrides), "recipe": json.loads(json.dumps(recipe, default=str)),
+            "budget": dict(budget), "seeds": list(seeds), "variants": list(variants)}
+
+
+def merge_plan(existing: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan to write: ``new`` when there is none; ValueError when the config, overrides, resolved recipe or
+    budget differ from ``existing``; else seeds and variants are the union (existing first)."""
+    if existing is None:
+        return dict(new)
+    for key in ("config", "overrides", "budget", "recipe"):
+        if existing.get(key) != new.get(key):
+            what = {"config": "the recipe path", "overrides": "the overrides", "budget": "the rollout budget",
+                    "recipe": "the resolved recipe (the YAML file changed?)"}[key]
+            detail = "" if key == "recipe" else f": {existing.get(key)!r} there, {new.get(key)!r} now"
+            raise ValueError(f"{what} differs from the existing ablation's {PLAN_FILE}{detail}; use another "
+                             "--output-dir (or delete that directory)")
+    merged = dict(existing)
+    merged["seeds"] = list(existing.get("seeds", [])) + [s for s in new["seeds"] if s not in existing.get("seeds", [])]
+    merged["variants"] = list(existing.get("variants", [])) + [v for v in new["variants"]
+                                                               if v not in existing.get("variants", [])]
+    return merged
