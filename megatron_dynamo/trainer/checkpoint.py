@@ -3,7 +3,7 @@ states and step, written atomically; keep the last K; find the latest for ``--re
 
 Layout of ``<checkpoints>/step_000040``::
 
-    megatron_dynamo.json, hf/, model/    the model checkpoint format of ``models/checkpoint_io.py`` (so
+    megatron_dynamo.json, hf/, model/    the model checkpoint format of ``models/checkpoint_io/`` (so
                                          ``python -m checkpoints_convert megatron-to-hf`` reads it directly)
     optimizer/                           dist_checkpointing of the optimizer's sharded state dict
     trainer_state.json                   step, prompt history, sampler position, RNG states, config
