@@ -4,7 +4,8 @@
   the vocab-parallel logits, across TP shards in one pass. Used for the old log-probs (and the modulation scopes
   taken from them) and, with ``modulation.scope: current_policy``, for the scope pass of later mini-batches.
 - :func:`dynamo_loss_fn`: the PPO-clip loss on DynaMO-modulated advantages, normalised by the mini-batch's global
-  denominator (see ``trainer/actor.py``).
+  denominator (see ``trainer/actor.py``); or the registered policy loss ``dynamo.loss.name`` (a baseline of the
+  paper's Table 1, ``algorithms/baselines.py``), with the micro-batch's ``selection`` when it has one.
 
 Both see only the response positions (``loss_mask``) of a micro-batch. The model output they get is either the
 vocab-parallel logits (then only the response positions' rows are taken, in the model dtype: the routine
@@ -149,8 +150,11 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
                 else weights.new_zeros(())
             modulation_stats["actor/engine_is_capped_frac"] = changed.float().mean() if changed.numel() \
                 else weights.new_zeros(())
+        # The baselines' mini-batch-wide token selection (step.py, algorithms/baselines.py), when the loss has one.
+        selection = micro_batch["selection"][mask] if "selection" in micro_batch else None
         output = compute_actor_loss(logp, old_logp, final_advantages, valid, loss_cfg,
-                                    global_denominator=global_denominator, seq_ids=seq_ids)
+                                    global_denominator=global_denominator, seq_ids=seq_ids,
+                                    entropy=stats.entropy, selection=selection)
         metrics = {k: v.detach().float() for k, v in {**output.metrics, **modulation_stats}.items()}
         metrics["actor/entropy"] = stats.entropy.mean() if stats.entropy.numel() else stats.entropy.new_zeros(())
         metrics["loss"] = output.loss.detach()

@@ -30,6 +30,7 @@ from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_t
                                            plan_token_micro_batches, resolve_pack_sequences, scatter_token_values,
                                            shard_for_rank, split_mini_batches)
 from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, token_stats_fn
+from megatron_dynamo.trainer.token_selection import scatter_selections
 
 
 class RolloutError(RuntimeError):
@@ -224,6 +225,7 @@ class StepRunner:
             self._log_prompts(step, prompt_ids, counts, response_ids, rewards)
             if run.logging.rollouts:
                 self._log_rollouts(step, responses, rewards)
+        self.current_step = step  # seeds the baselines' random token selection (trainer/token_selection.py)
         update_metrics = self._update(samples, prompt_ids, timer)
         with timer("weight_sync"):
             sync_stats = self._sync_weights(step)
@@ -347,6 +349,9 @@ class StepRunner:
         gap_max = self._engine_logprobs(samples, plans, last_stage, local)
         modulation = run.dynamo.modulation
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
+        # The baselines' mini-batch-wide token selections (Fork Tokens, Clip-COV, KL-COV), from the same pass.
+        local_selection = scatter_selections(run.dynamo.loss, plans, old, last_stage, dp_group, run.trainer.seed,
+                                             getattr(self, "current_step", 0))
         # Every mini-batch's modulation scope (H_min, H_max, max Xi over its tokens and the DP group) under the old
         # policy, from the old-log-prob pass: no extra forward. It is the exact scope of the first mini-batch
         # (pi = pi_old before the first update) and, with modulation.scope: old_policy, the one used for all.
@@ -409,6 +414,7 @@ class StepRunner:
         if not _is_metric_rank():
             local = {}
         metrics = _collect_metric_sums(local)
+        metrics.update(local_selection)
         if current_policy:
             metrics.update(_reduce_scope_gaps(scope_gaps))
         if gap_max is not None:
