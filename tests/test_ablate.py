@@ -14,9 +14,11 @@ import yaml
 from hf_reference import REPO
 from megatron_dynamo.cli import build_parser
 from megatron_dynamo.commands import ablate
-from megatron_dynamo.report.ablation import (PAPER_AVG, PAPER_ORDER, VARIANTS, analyse, bootstrap_ci, main_table,
-                                             marginal_effect, paired_differences, parse_variants,
-                                             realised_variance_ratio, zero_advantage_share)
+from megatron_dynamo.report.ablation import (BASELINES, GROUPS, PAPER_AVG, PAPER_ORDER, TABLE1_ORDER, VARIANTS, analyse,
+                                             bootstrap_ci, format_markdown, main_table, marginal_effect,
+                                             paired_differences, parse_variants, realised_variance_ratio,
+                                             table1_table, zero_advantage_share)
+from megatron_dynamo.report.paper_tables import PAPER_BENCHMARKS, TABLE1, TABLE2
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -143,6 +145,75 @@ def test_table_rows_follow_the_paper_order_with_its_labels():
             parse_variants(bad)
 
 
+def test_variant_groups_and_the_baselines_registry():
+    from megatron_dynamo.trainer.config import ALGORITHMS, load_run_config
+
+    assert parse_variants("ablation") == list(GROUPS["ablation"]) == [n for n in VARIANTS if n not in BASELINES]
+    assert parse_variants("table1") == ["grpo", "clip_higher", "entropy_loss", "fork_tokens", "entropy_adv",
+                                        "clip_cov", "kl_cov", "w_reinforce", "dynamo"] == list(TABLE1_ORDER)
+    both = parse_variants("table1,ablation")
+    assert len(both) == 16 == len(set(both)) and both[:9] == list(TABLE1_ORDER)  # grpo, dynamo once each
+    assert sorted(parse_variants("all")) == sorted(both) == sorted(VARIANTS)
+    assert parse_variants("kl_cov,table1")[:2] == ["kl_cov", "grpo"]
+    for bad in ("table1,table1", "kl_cov,kl_cov", "table2"):
+        with pytest.raises(ValueError):
+            parse_variants(bad)
+    # the seven are the trainer's --algo names besides dynamo and grpo; each is GRPO's four keys + its --algo
+    assert set(BASELINES) == set(ALGORITHMS) - {"dynamo", "grpo"} and len(BASELINES) == 7
+    for name in BASELINES:
+        assert VARIANTS[name].algo == name and VARIANTS[name].overrides() == VARIANTS["grpo"].overrides()
+        run = load_run_config(os.path.join(REPO, "configs", "cpu_default.yaml"), list(VARIANTS[name].overrides()),
+                              algo=name)
+        assert not run.dynamo.allocation.enabled and not run.dynamo.modulation.gc and not run.dynamo.modulation.ums
+    assert all(VARIANTS[n].algo == "dynamo" for n in GROUPS["ablation"])
+
+
+def test_paper_tables_are_transcribed_consistently():
+    # every Avg. is its row's mean (to the paper's rounding), and Table 2 repeats Table 1's 7B P@1 of its rows
+    assert len(PAPER_BENCHMARKS) == 6 and set(TABLE1["Qwen2.5-Math-7B"]) == set(TABLE1_ORDER)
+    for model, rows in TABLE1.items():
+        for name, row in rows.items():
+            assert len(row) == 14
+            assert np.mean(row[0:12:2]) == pytest.approx(row[12], abs=0.051), (model, name)
+            assert np.mean(row[1:12:2]) == pytest.approx(row[13], abs=0.051), (model, name)
+    for name, row in TABLE2.items():
+        assert np.mean(row[:6]) == pytest.approx(row[6], abs=0.051), name
+        if name in TABLE1["Qwen2.5-Math-7B"]:
+            assert TABLE1["Qwen2.5-Math-7B"][name][0:12:2] == row[:6]
+    assert list(TABLE2) == [v for v in PAPER_ORDER if v != "dynamo-p0.5"]
+
+
+def test_table1_layout_per_benchmark_beside_the_paper():
+    # two benchmarks a and b; variant i of TABLE1_ORDER: pass@1 a = 0.1 + 0.01 i + 0.02 s (seed s), b = a + 0.1
+    summaries = {}
+    for i, name in enumerate(TABLE1_ORDER):
+        for s in (1, 2):
+            a = 0.1 + 0.01 * i + 0.02 * s
+            summaries[(name, s)] = {
+                "pass@1": a + 0.05, "pass@8": 0.5, "final_reward": 0.5, "rollouts_to_threshold_censored": 64,
+                "censored": False, "eval": {"eval/a/pass@1": a, "eval/b/pass@1": a + 0.1, "eval/a/pass@8": 0.4,
+                                            "eval/b/pass@8": 0.6, "eval/avg/pass@1": a + 0.05, "eval/avg/pass@8": 0.5}}
+    analysis = analyse(summaries, list(TABLE1_ORDER), [1, 2], k=8, resamples=200)
+    assert analysis["benchmarks"] == ["a", "b"]
+    lines = table1_table(analysis, budget=64).splitlines()
+    header = [c.strip() for c in lines[0].split("|")[1:-1]]
+    assert header[3:7] == ["a P@1", "a P@8", "b P@1", "b P@8"] and header[-2:] == [
+        "paper 1.5B Avg. P@1 / P@32", "paper 7B Avg. P@1 / P@32"]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+    assert [c[0] for c in cells] == ["GRPO", "Clip-Higher", "Entropy Loss", "Fork Tokens", "Entropy Advantages",
+                                     "Clip-COV", "KL-COV", "W-REINFORCE", "DynaMO (Ours)"]
+    # W-REINFORCE (i = 7): a = 0.17 + 0.02 s -> 19 and 21 % (mean 20.0); b = a + 10 points; Δ vs GRPO +7.0 flat
+    w = cells[7]
+    assert w[3] == "20.0 [19.0, 21.0]" and w[5] == "30.0 [29.0, 31.0]" and w[4] == "40.0 [40.0, 40.0]"
+    assert w[7] == "25.0 [24.0, 26.0]" and w[9] == "+7.0 [+7.0, +7.0]" and cells[0][9] == "0 (reference)"
+    assert w[-2:] == ["31.0 / 52.8", "40.1 / 61.1"] and cells[8][-2:] == ["32.7 / 55.6", "41.6 / 63.3"]
+    assert cells[0][-1] == "37.2 / 57.2"
+    md = format_markdown(analysis, title="t", settings_line="s", budget=64)
+    assert md.index("## Baselines (paper Table 1 layout)") < md.index("## Ablation (paper Table 2 layout)")
+    # the diagnostics cover the baselines too
+    assert "| w_reinforce |" in md.split("## Eq. 23")[1]
+
+
 # ---------------------------------------------------------------------------------------------- fake trainer
 STEPS = 6
 
@@ -193,6 +264,8 @@ class FakeTrainer:
         assert os.path.isdir(kv["model.checkpoint"])  # its SFT run came first
         dra, gc, ums = (kv[k] == "true" for k in ablate.VARIANT_KEYS[:3])
         power = float(kv["dynamo.allocation.power"])
+        algo = command[command.index("--algo") + 1]
+        bump = 0.01 * (1 + BASELINES.index(algo)) if algo in BASELINES else 0.0  # a baseline's own effect
         start = saved[-1] if resume and saved else 0
         rows = [json.loads(line) for line in open(out / "metrics.jsonl")] if resume and start else []
         rows = [r for r in rows if r["step"] <= start]
@@ -205,7 +278,7 @@ class FakeTrainer:
             if gc or ums:
                 row["modulation/scale_mean"] = 1.0 + 0.1 * gc - 0.05 * ums
             if step == steps:
-                final = 0.4 + 0.05 * dra + 0.02 * gc + 0.01 * ums + 0.01 * seed + 0.004 * (power < 1)
+                final = 0.4 + 0.05 * dra + 0.02 * gc + 0.01 * ums + 0.01 * seed + 0.004 * (power < 1) + bump
                 row.update({"eval/held/pass@1": final, "eval/avg/pass@1": final, "eval/avg/pass@4": final + 0.1})
             rows.append(row)
             counts = [4, 12] if dra else [8, 8]
@@ -245,7 +318,9 @@ def _args(recipe, out, *extra):
 
 def _kind(command):
     kv = dict(item.split("=", 1) for item in command if "=" in item)
-    variant = next((name for name, v in VARIANTS.items() if all(item in command for item in v.overrides())), None)
+    algo = command[command.index("--algo") + 1]
+    variant = next((name for name, v in VARIANTS.items() if v.algo == algo
+                    and all(item in command for item in v.overrides())), None)
     return ("sft" if kv.get("trainer.steps") == "0" else variant, int(kv["trainer.seed"]), "--resume" in command)
 
 
@@ -301,6 +376,7 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
     assert a["per_variant"]["gc"]["modulation"]["modulation/scale_mean"] == pytest.approx(1.1)
     md = (out / "ablation.md").read_text()
     assert "2 seed(s)" in md and "crude" in md and "| DynaMO | dynamo |" in md
+    assert "Baselines (paper Table 1 layout)" not in md  # none of the seven was run
     assert (out / "ablation.png").stat().st_size > 0 and (out / "report" / "report.html").is_file()
     plan = json.loads((out / ablate.PLAN_FILE).read_text())
     assert plan["seeds"] == [1, 2] and plan["budget"]["rollouts_per_step"] == 32 * 8
@@ -319,6 +395,32 @@ def test_one_shared_warm_up_starts_every_seed(recipe, tmp_path, capsys):
     assert sft["runs"] == 2 and sft["pass@1"]["mean"] == pytest.approx(0.1 + 0.01 * RECIPE_SEED)
     assert sft["pass@1"]["lo"] == sft["pass@1"]["hi"] == pytest.approx(sft["pass@1"]["mean"])  # one model
     assert json.loads((out / ablate.PLAN_FILE).read_text())["budget"]["sft"] == "shared"
+
+
+def test_the_table1_baselines_run_with_their_algo_and_the_same_statistics(recipe, tmp_path, capsys):
+    fake = FakeTrainer(sft_per_seed=False)
+    out = tmp_path / "t1"
+    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", "table1,gc", "--shared-sft"),
+                      launch=fake) == 0
+    kinds = [_kind(c) for c in fake.calls]
+    assert kinds[0] == ("sft", RECIPE_SEED, False) and len(kinds) == 1 + 2 * 10
+    assert sorted({k[0] for k in kinds[1:]}) == sorted([*TABLE1_ORDER, "gc"])
+    algos = {_kind(c)[0]: c[c.index("--algo") + 1] for c in fake.calls[1:]}
+    assert algos == {**{b: b for b in BASELINES}, "grpo": "dynamo", "dynamo": "dynamo", "gc": "dynamo"}
+    assert fake.calls[0][fake.calls[0].index("--algo") + 1] == "dynamo"  # the warm-up
+    a = _analysis(out)
+    # the fake's baseline j (0-based) adds 0.01 (j + 1) to GRPO's held-out pass@1, the same in each seed
+    for j, name in enumerate(BASELINES):
+        assert a["per_variant"][name]["delta_vs_grpo"]["pass@1"]["mean"] == pytest.approx(0.01 * (j + 1))
+        assert a["per_variant"][name]["delta_vs_grpo"]["pass@1"]["n"] == 2
+    assert a["per_variant"]["dynamo"]["delta_vs_grpo"]["pass@1"]["mean"] == pytest.approx(0.08)
+    assert a["benchmarks"] == ["held"]
+    md = (out / "ablation.md").read_text()
+    assert "## Baselines (paper Table 1 layout)" in md and "| W-REINFORCE | w_reinforce | 2 |" in md
+    assert "| 31.0 / 52.8 | 40.1 / 61.1 |" in md  # the paper's W-REINFORCE Avg. (1.5B, 7B) beside ours
+    settings = json.loads((out / "ablation.json").read_text())["settings"]
+    assert settings["variant_algos"]["kl_cov"] == "kl_cov" and settings["variant_algos"]["gc"] == "dynamo"
+    assert "[20/20]" in capsys.readouterr().out  # after the shared warm-up's [1/1]
 
 
 def test_jobs_run_concurrently_with_their_own_cores(recipe, tmp_path):
@@ -369,7 +471,8 @@ def test_bad_arguments_fail_before_any_run(recipe, tmp_path, capsys):
     del values["evaluation"]
     no_eval.write_text(yaml.safe_dump(values))
     cases = [(recipe, ["trainer.seed=3"]), (recipe, ["dynamo.modulation.gc=false"]), (recipe, ["trainer.stpes=3"]),
-             (recipe, ["--variants", "grpo,ppo"]), (recipe, ["--seeds", "1,1"]), (str(no_eval), [])]
+             (recipe, ["--variants", "grpo,ppo"]), (recipe, ["--variants", "table1,table1"]),
+             (recipe, ["--seeds", "1,1"]), (str(no_eval), [])]
     for config, extra in cases:
         fake = FakeTrainer()
         assert ablate.run(_args(config, tmp_path / "bad", *extra), launch=fake) == 2, extra
@@ -384,7 +487,7 @@ def test_ablate_help_documents_every_option():
     out = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "ablate", "--help"], capture_output=True,
                          text=True, check=True, cwd=REPO).stdout
     for option in ("--seeds", "--variants", "--jobs", "--threshold", "--window", "--bootstrap", "--output-dir",
-                   "key=value", "dynamo-p0.5", "Resume", "--resume"):
+                   "key=value", "dynamo-p0.5", "Resume", "--resume", "table1", "w_reinforce", "--algo NAME"):
         assert option in out, option
 
 

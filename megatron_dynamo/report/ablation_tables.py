@@ -54,6 +54,10 @@ def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+# Table 1's own labels of the rows it shares with Table 2
+TABLE1_LABELS = {"grpo": "GRPO", "dynamo": "DynaMO (Ours)"}
+
+
 def _delta_vs_grpo(entry: Mapping[str, Any], name: str) -> str:
     if name == "grpo":
         return "0 (reference)"
@@ -78,7 +82,7 @@ def table1_table(analysis: Mapping[str, Any], budget: int | None = None) -> str:
     for name in [v for v in TABLE1_ORDER if v in analysis["variants"]]:
         e = per[name]
         paper = [table1_avg(model, name) for model in models]
-        rows.append([e["label"], name, str(e["runs"]),
+        rows.append([TABLE1_LABELS.get(name, e["label"]), name, str(e["runs"]),
                      *[fmt_ci(e["benchmarks"][b][m]) for b in benchmarks for m in ("pass@1", f"pass@{k}")],
                      fmt_ci(e["pass@1"]), fmt_ci(e[f"pass@{k}"]), _delta_vs_grpo(e, name),
                      _fmt_rollouts(e["rollouts_to_threshold"]), fmt_ci(e["final_reward"]),
