@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: one command that exercises every GPU path of the project on ONE GPU and writes a dated report
 # (date, commit, GPU, versions, the command, each part's pass/fail and numbers). Run it from anywhere; it works in
-# the repository root. The parts live in benchmarks/gpu_check.py (one process per part, each with its own time
-# limit, every part runs whatever happened to the ones before).
+# the repository root. The driver is benchmarks/gpu_check.py, the parts live in benchmarks/gpu_check_parts/ (one
+# process per part, each with its own time limit, every part runs whatever happened to the ones before).
 #
 #   scripts/gpu_check.sh                      all parts (budget: the sum of their limits, about an hour)
 #   scripts/gpu_check.sh --list               the parts, their time limits and what they need

@@ -27,7 +27,7 @@ while (($#)); do
   shift
 done
 
-# Keep in step with SMALL_WHEELS in benchmarks/gpu_check.py.
+# Keep in step with SMALL_WHEELS in benchmarks/gpu_check_parts/registry.py.
 wheels=(megatron-core==0.16.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2)
 if ((${#extra[@]})); then
   wheels+=("${extra[@]}")

@@ -190,11 +190,12 @@ def test_cpu_variant_of_the_update_part_runs(tmp_path):
 
 
 def test_pytest_summary_lines_are_parsed():
-    gc = _module()
-    assert gc._pytest_outcome("PASSED tests/test_gpu.py::test_a[dtype1]") == {
+    _module()  # puts the repository root on sys.path, as the driver does
+    from benchmarks.gpu_check_parts import part_tests as gc
+    assert gc.pytest_outcome("PASSED tests/test_gpu.py::test_a[dtype1]") == {
         "outcome": "PASSED", "test": "test_a[dtype1]", "detail": ""}
-    assert gc._pytest_outcome("FAILED tests/test_gpu.py::test_b - AssertionError: x") == {
+    assert gc.pytest_outcome("FAILED tests/test_gpu.py::test_b - AssertionError: x") == {
         "outcome": "FAILED", "test": "test_b", "detail": "AssertionError: x"}
-    assert gc._pytest_outcome("SKIPPED [2] tests/test_gpu.py:64: Transformer Engine does not import here") == {
+    assert gc.pytest_outcome("SKIPPED [2] tests/test_gpu.py:64: Transformer Engine does not import here") == {
         "outcome": "SKIPPED", "test": "test_gpu.py:64", "detail": "Transformer Engine does not import here"}
-    assert gc._pytest_outcome("==== 3 passed in 2.0s ====") is None
+    assert gc.pytest_outcome("==== 3 passed in 2.0s ====") is None
