@@ -12,6 +12,7 @@ import torch
 
 from hf_reference import TINY_QWEN2, hf_state_dict
 from multiproc import run_on_ranks
+from samples import random_samples
 
 from megatron_dynamo.algorithms.config import PolicyLossConfig
 from megatron_dynamo.algorithms.losses import engine_gap_sums, engine_importance_weights, k3_kl
@@ -63,15 +64,7 @@ def test_the_exchange_carries_the_engine_logprobs():
 
 
 def _samples(vocab: int):
-    from megatron_dynamo.trainer.batch import Sample
-
-    g = torch.Generator().manual_seed(7)
-    samples = []
-    for i in range(6):
-        prompt = tuple(torch.randint(1, vocab, (4 + i % 3,), generator=g).tolist())
-        response = tuple(torch.randint(1, vocab, (3 + 2 * i,), generator=g).tolist())
-        samples.append(Sample(i, f"p{i // 2}", prompt, response, reward=float(i % 2), advantage=1.0 - 0.5 * i))
-    return samples
+    return random_samples(vocab, seed=7)
 
 
 def _gap_worker(rank, world_size):

@@ -13,20 +13,13 @@ import torch
 
 from hf_reference import REPO, TINY_QWEN2, hf_state_dict
 from multiproc import run_on_ranks
+from samples import random_samples
 
 CPU_DEFAULT = os.path.join(REPO, "configs", "cpu_default.yaml")
 
 
 def _samples(vocab: int):
-    from megatron_dynamo.trainer.batch import Sample
-
-    g = torch.Generator().manual_seed(5)
-    samples = []
-    for i in range(6):
-        prompt = tuple(torch.randint(1, vocab, (4 + i % 3,), generator=g).tolist())
-        response = tuple(torch.randint(1, vocab, (3 + 2 * i,), generator=g).tolist())
-        samples.append(Sample(i, f"p{i // 2}", prompt, response, reward=float(i % 2), advantage=1.0 - 0.5 * i))
-    return samples
+    return random_samples(vocab, seed=5)
 
 
 def _scope_worker(rank, world_size, output):

@@ -1,0 +1,17 @@
+"""Small random training samples shared by the tests that run the real actor (one helper instead of a copy per
+test file): six responses of growing length over three prompts, rewards 0/1, advantages 1, 0.5, ..., -1.5."""
+
+import torch
+
+
+def random_samples(vocab: int, seed: int, count: int = 6):
+    """``count`` samples with token ids in [1, vocab): prompt i has 4 + i % 3 tokens, response i has 3 + 2 i."""
+    from megatron_dynamo.trainer.batch import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        prompt = tuple(torch.randint(1, vocab, (4 + i % 3,), generator=g).tolist())
+        response = tuple(torch.randint(1, vocab, (3 + 2 * i,), generator=g).tolist())
+        samples.append(Sample(i, f"p{i // 2}", prompt, response, reward=float(i % 2), advantage=1.0 - 0.5 * i))
+    return samples
