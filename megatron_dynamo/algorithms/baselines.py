@@ -189,12 +189,26 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg: PolicyLossConfig, *, gl
     valid = mask.bool()
     with torch.no_grad():
         by_clip = (clipped > unclipped) & valid
-        metrics = {"actor/pg_loss": loss.detach(),
-                   "actor/pg_clipfrac": masked_mean(by_clip.to(logp.dtype), valid),
-                   "actor/cov_selected_frac": masked_mean(chosen, valid),
-                   "actor/ppo_kl": masked_mean((old_logp - logp).detach(), valid),
-                   "actor/num_tokens": valid.sum()}
+        upper, lower = by_clip & (advantages > 0), by_clip & (advantages < 0)
+        metrics = _update_metrics(loss, logp, old_logp, ratio, valid, upper, lower)
+        metrics["actor/cov_selected_frac"] = masked_mean(chosen, valid)
     return PolicyLossOutput(loss=loss, clipped_mask=(by_clip | (chosen > 0)) & valid, metrics=metrics)
+
+
+def _update_metrics(loss, logp, old_logp, ratio, valid, upper, lower) -> dict[str, torch.Tensor]:
+    """The ``actor/`` keys every policy loss reports (docs/metrics.md), for the losses with their own clipping."""
+    ratio = ratio.detach()
+    zero = torch.zeros_like(valid)
+    return {"actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": masked_mean((upper | lower).to(ratio.dtype), valid),
+            "actor/pg_clipfrac_upper": masked_mean(upper.to(ratio.dtype), valid),
+            "actor/pg_clipfrac_lower": masked_mean(lower.to(ratio.dtype), valid),
+            "actor/pg_clipfrac_dual": masked_mean(zero.to(ratio.dtype), valid),
+            "actor/ppo_kl": masked_mean((old_logp - logp).detach(), valid),
+            "actor/ratio_mean": masked_mean(ratio, valid),
+            "actor/ratio_max": torch.where(valid, ratio, torch.zeros_like(ratio)).max() if ratio.numel()
+            else ratio.new_zeros(()),
+            "actor/num_tokens": valid.sum()}
 
 
 @register_policy_loss("kl_cov")
@@ -210,10 +224,9 @@ def kl_cov_loss(logp, old_logp, advantages, mask, cfg: PolicyLossConfig, *, glob
     loss = loss_agg(per_token, mask, cfg.loss_agg_mode, global_denominator, seq_ids)
     valid = mask.bool()
     with torch.no_grad():
-        metrics = {"actor/pg_loss": loss.detach(),
-                   "actor/cov_selected_frac": masked_mean(chosen, valid),
-                   "actor/ppo_kl_abs": masked_mean((logp - old_logp).detach().abs(), valid),
-                   "actor/num_tokens": valid.sum()}
+        none = torch.zeros_like(valid)  # no ratio clip
+        metrics = _update_metrics(loss, logp, old_logp, ratio, valid, none, none)
+        metrics["actor/cov_selected_frac"] = masked_mean(chosen, valid)
     return PolicyLossOutput(loss=loss, clipped_mask=torch.zeros_like(valid), metrics=metrics)
 
 

@@ -350,8 +350,8 @@ class StepRunner:
         modulation = run.dynamo.modulation
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
         # The baselines' mini-batch-wide token selections (Fork Tokens, Clip-COV, KL-COV), from the same pass.
-        local_selection = scatter_selections(run.dynamo.loss, plans, old, last_stage, dp_group, run.trainer.seed,
-                                             getattr(self, "current_step", 0))
+        scatter_selections(run.dynamo.loss, plans, old, last_stage, dp_group, run.trainer.seed,
+                           getattr(self, "current_step", 0))
         # Every mini-batch's modulation scope (H_min, H_max, max Xi over its tokens and the DP group) under the old
         # policy, from the old-log-prob pass: no extra forward. It is the exact scope of the first mini-batch
         # (pi = pi_old before the first update) and, with modulation.scope: old_policy, the one used for all.
@@ -414,7 +414,6 @@ class StepRunner:
         if not _is_metric_rank():
             local = {}
         metrics = _collect_metric_sums(local)
-        metrics.update(local_selection)
         if current_policy:
             metrics.update(_reduce_scope_gaps(scope_gaps))
         if gap_max is not None:

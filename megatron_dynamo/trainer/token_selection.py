@@ -24,14 +24,14 @@ def selection_seed(seed: int, step: int, mini_batch: int) -> int:
 
 
 def scatter_selections(loss_cfg, plans, old: dict[int, dict[str, torch.Tensor]], last_stage: bool,
-                       dp_group, seed: int, step: int) -> dict[str, float]:
+                       dp_group, seed: int, step: int) -> None:
     """Collective over ``dp_group`` (on the last pipeline stage): for every mini-batch of ``plans`` ((samples,
     micro-batches) pairs) the selection of ``loss_cfg.name`` into its micro-batches as ``selection``. ``old``: this
-    rank's per-sample old-policy ``logp``/``entropy``. Other stages get zeros (they compute no loss). Returns
-    ``selection/selected_frac`` (selected tokens / tokens over the step) when the loss selects, else {}."""
+    rank's per-sample old-policy ``logp``/``entropy``. Other stages get zeros (they compute no loss). Nothing
+    happens for a loss without selection. The loss reports the selected fraction (``actor/fork_token_frac``,
+    ``actor/cov_selected_frac``)."""
     if loss_cfg.name not in SELECTION_LOSSES:
-        return {}
-    selected, tokens = 0.0, 0.0
+        return
     for index, (mini, micro) in enumerate(plans):
         if not last_stage:
             for mb in micro:
@@ -52,6 +52,3 @@ def scatter_selections(loss_cfg, plans, old: dict[int, dict[str, torch.Tensor]],
         per_sample = dict(zip((s.index for s in order), torch.split(chosen, sizes)))
         for mb in micro:
             scatter_token_values(mb, per_sample, "selection")
-        selected += float((chosen > 0).sum())
-        tokens += float(chosen.numel())
-    return {"selection/selected_frac": selected / tokens} if tokens else {}
