@@ -8,7 +8,9 @@
 - ``synthetic``: ``make_synthetic_task`` (seeded integer arithmetic with spread difficulty), ``sft_pairs``.
 - ``reasoning``: ``make_reasoning_task`` (running sums written out step by step, 20-71 tokens; held-out split
   ``reasoning_test``), the task of the CPU ablation testbed.
-- Generated tasks register in ``GENERATED_TASKS`` (``data.train: synthetic`` / ``reasoning``).
+- ``testbed``: ``make_testbed_task`` (sums of 4-8 one-digit terms added in any order: a decision point per line;
+  the warm-up covers 4-6 terms only; held-out split ``testbed_test``), the task of ``configs/cpu_testbed.yaml``.
+- Generated tasks register in ``GENERATED_TASKS`` (``data.train: synthetic`` / ``reasoning`` / ``testbed``).
 - ``tokenizer``: ``build_char_tokenizer`` (imported lazily: it pulls in ``transformers``).
 """
 
@@ -30,6 +32,7 @@ from megatron_dynamo.data.dataset import (
 )
 from megatron_dynamo.data.reasoning import make_reasoning_task
 from megatron_dynamo.data.synthetic import SYNTHETIC_LEVELS, make_synthetic_task, sft_pairs
+from megatron_dynamo.data.testbed import make_testbed_task
 from megatron_dynamo.data.templates import (
     DEFAULT_TEMPLATE,
     PromptTemplate,
@@ -54,6 +57,6 @@ __all__ = [
     "BENCHMARKS", "CHARACTERS", "DATASETS", "DATA_DIR_ENV", "DEFAULT_TEMPLATE", "DatasetNotAvailableError",
     "DatasetSpec", "GENERATED_TASKS", "GeneratedTask", "MathDataset", "MathExample", "PromptSampler", "PromptTemplate",
     "SPECIAL_TOKENS", "SYNTHETIC_LEVELS", "SkippedRow", "build_char_tokenizer", "get_template", "list_templates",
-    "load_math_file", "load_math_jsonl", "make_reasoning_task", "make_synthetic_task", "register_template", "render",
-    "resolve_dataset_path", "save_char_tokenizer", "sft_pairs",
+    "load_math_file", "load_math_jsonl", "make_reasoning_task", "make_synthetic_task", "make_testbed_task",
+    "register_template", "render", "resolve_dataset_path", "save_char_tokenizer", "sft_pairs",
 ]

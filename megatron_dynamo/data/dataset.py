@@ -160,6 +160,9 @@ class GeneratedTask:
     make: Callable[[int, int], list[MathExample]]
     test: Callable[[], list[MathExample]] | None = None
     test_name: str | None = None
+    #: ``data.sft_problems`` warm-up problems ``(num_problems, seed)``; None: ``make`` (the testbed's covers only
+    #: some of its levels).
+    sft: Callable[[int, int], list[MathExample]] | None = None
 
     @property
     def benchmark_name(self) -> str:

@@ -239,7 +239,8 @@ class Trainer:
         if run.data.sft_problems:  # the warm-up's own problems of the same task (config: generated tasks only)
             from megatron_dynamo.data.dataset import GENERATED_TASKS
 
-            examples = GENERATED_TASKS[run.data.train].make(run.data.sft_problems, run.data.seed + 1)
+            task = GENERATED_TASKS[run.data.train]
+            examples = (task.sft or task.make)(run.data.sft_problems, run.data.seed + 1)
         pairs = sft_pairs(examples, template=run.data.template, answer_format="plain")
         samples = []
         for i, (prompt, answer) in enumerate(pairs):
