@@ -25,7 +25,7 @@ import torch
 from .advantages import register_advantage_estimator
 from .config import PolicyLossConfig
 from .losses import (PolicyLossOutput, loss_agg, masked_mean, policy_ratio, ppo_clip_loss, register_policy_loss,
-                     to_token_shape)
+                     to_token_shape, update_metrics)
 
 #: name -> changes to the GRPO configuration: "loss" holds PolicyLossConfig fields, other keys DynamoConfig fields.
 BASELINES: dict[str, dict[str, Any]] = {
@@ -190,25 +190,9 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg: PolicyLossConfig, *, gl
     with torch.no_grad():
         by_clip = (clipped > unclipped) & valid
         upper, lower = by_clip & (advantages > 0), by_clip & (advantages < 0)
-        metrics = _update_metrics(loss, logp, old_logp, ratio, valid, upper, lower)
+        metrics = update_metrics(loss, logp, old_logp, ratio, valid, upper, lower, torch.zeros_like(valid))
         metrics["actor/cov_selected_frac"] = masked_mean(chosen, valid)
     return PolicyLossOutput(loss=loss, clipped_mask=(by_clip | (chosen > 0)) & valid, metrics=metrics)
-
-
-def _update_metrics(loss, logp, old_logp, ratio, valid, upper, lower) -> dict[str, torch.Tensor]:
-    """The ``actor/`` keys every policy loss reports (docs/metrics.md), for the losses with their own clipping."""
-    ratio = ratio.detach()
-    zero = torch.zeros_like(valid)
-    return {"actor/pg_loss": loss.detach(),
-            "actor/pg_clipfrac": masked_mean((upper | lower).to(ratio.dtype), valid),
-            "actor/pg_clipfrac_upper": masked_mean(upper.to(ratio.dtype), valid),
-            "actor/pg_clipfrac_lower": masked_mean(lower.to(ratio.dtype), valid),
-            "actor/pg_clipfrac_dual": masked_mean(zero.to(ratio.dtype), valid),
-            "actor/ppo_kl": masked_mean((old_logp - logp).detach(), valid),
-            "actor/ratio_mean": masked_mean(ratio, valid),
-            "actor/ratio_max": torch.where(valid, ratio, torch.zeros_like(ratio)).max() if ratio.numel()
-            else ratio.new_zeros(()),
-            "actor/num_tokens": valid.sum()}
 
 
 @register_policy_loss("kl_cov")
@@ -225,7 +209,7 @@ def kl_cov_loss(logp, old_logp, advantages, mask, cfg: PolicyLossConfig, *, glob
     valid = mask.bool()
     with torch.no_grad():
         none = torch.zeros_like(valid)  # no ratio clip
-        metrics = _update_metrics(loss, logp, old_logp, ratio, valid, none, none)
+        metrics = update_metrics(loss, logp, old_logp, ratio, valid, none, none, none)
         metrics["actor/cov_selected_frac"] = masked_mean(chosen, valid)
     return PolicyLossOutput(loss=loss, clipped_mask=torch.zeros_like(valid), metrics=metrics)
 

@@ -209,6 +209,26 @@ def to_token_shape(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor
                      f"nor one value per sequence {tuple(like.shape[:-1])}")
 
 
+def update_metrics(loss: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, ratio: torch.Tensor,
+                   valid: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor,
+                   dual: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``actor/`` keys every policy loss reports (docs/metrics.md), detached, over the ``valid`` tokens:
+    ``upper``/``lower``/``dual`` are the bool masks of the tokens each clip bound clipped."""
+    ratio = ratio.detach()
+    return {
+        "actor/pg_loss": loss.detach(),
+        "actor/pg_clipfrac": masked_mean((upper | lower).to(ratio.dtype), valid),
+        "actor/pg_clipfrac_upper": masked_mean(upper.to(ratio.dtype), valid),
+        "actor/pg_clipfrac_lower": masked_mean(lower.to(ratio.dtype), valid),
+        "actor/pg_clipfrac_dual": masked_mean(dual.to(ratio.dtype), valid),
+        "actor/ppo_kl": masked_mean((old_logp - logp).detach(), valid),
+        "actor/ratio_mean": masked_mean(ratio, valid),
+        "actor/ratio_max": torch.where(valid, ratio, torch.zeros_like(ratio)).max() if ratio.numel()
+        else ratio.new_zeros(()),
+        "actor/num_tokens": valid.sum(),
+    }
+
+
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   cfg: PolicyLossConfig, *, global_denominator: float | torch.Tensor | None = None,
@@ -240,18 +260,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         lower = (advantages < 0) & (ratio_d < 1.0 - cfg.clip_low)
         dual = ((advantages < 0) & (ratio_d > cfg.clip_ratio_c)) if cfg.clip_ratio_c is not None \
             else torch.zeros_like(valid)
-        metrics = {
-            "actor/pg_loss": loss.detach(),
-            "actor/pg_clipfrac": masked_mean((upper | lower).to(ratio_d.dtype), valid),
-            "actor/pg_clipfrac_upper": masked_mean(upper.to(ratio_d.dtype), valid),
-            "actor/pg_clipfrac_lower": masked_mean(lower.to(ratio_d.dtype), valid),
-            "actor/pg_clipfrac_dual": masked_mean(dual.to(ratio_d.dtype), valid),
-            "actor/ppo_kl": masked_mean((old_logp - logp).detach(), valid),
-            "actor/ratio_mean": masked_mean(ratio_d, valid),
-            "actor/ratio_max": torch.where(valid, ratio_d, torch.zeros_like(ratio_d)).max()
-            if ratio_d.numel() else ratio_d.new_zeros(()),
-            "actor/num_tokens": valid.sum(),
-        }
+        metrics = update_metrics(loss, logp, old_logp, ratio_d, valid, upper, lower, dual)
     return PolicyLossOutput(loss=loss, clipped_mask=clipped & valid, metrics=metrics)
 
 
@@ -310,4 +319,5 @@ __all__ = [
     "segment_sum",
     "sequence_index",
     "to_token_shape",
+    "update_metrics",
 ]
