@@ -13,7 +13,6 @@ Either way the per-rank function runs with torch.distributed initialised (gloo) 
 
 from __future__ import annotations
 
-import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -23,12 +22,12 @@ from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
 
 
 def under_launcher() -> bool:
-    """True when started as one rank of several by torchrun or srun (:func:`megatron_dynamo.parallel.runtime.launcher`,
-    the test the trainer uses too), or in an initialised process group: every rank runs the command. A launch of
-    one process (convert.sbatch's single srun task) is no launcher: it spawns its TP x PP workers itself."""
+    """True when started as one rank of several by torchrun or srun (``runtime.launched_externally``, the test the
+    trainer and ``dynamo eval`` use too), or in an initialised process group: every rank runs the command. A launch
+    of one process (convert.sbatch's single srun task) is no launcher: it spawns its TP x PP workers itself."""
     if dist.is_available() and dist.is_initialized():
         return True
-    return runtime.launcher() != "single" and runtime.detect_launch().world_size > 1
+    return runtime.launched_externally() and runtime.detect_launch().world_size > 1
 
 
 def launcher_world_size() -> int:
@@ -66,17 +65,6 @@ def broadcast_from_driver(value: Any) -> Any:
     return box[0]
 
 
-def _describe(exc: BaseException) -> str:
-    """One line for the errors a user can act on, the traceback for anything else."""
-    from megatron_dynamo.models.checkpoint_io import CheckpointError
-    from megatron_dynamo.models.mappings import MappingError
-    from megatron_dynamo.models.qwen import UnsupportedModelConfig
-
-    if isinstance(exc, (CheckpointError, MappingError, UnsupportedModelConfig, RankError)):
-        return str(exc)
-    return "".join(traceback.format_exception(exc)).rstrip()
-
-
 def _call_without_rank(rank: int, world_size: int, fn: Callable, *args) -> Any:
     return fn(*args)
 
@@ -102,4 +90,10 @@ def run_ranks(fn: Callable, world_size: int, *args) -> list[Any] | None:
                 from megatron_dynamo.parallel import runtime
 
                 runtime.shutdown()
-    return run_on_ranks(_call_without_rank, world_size, fn, *args, describe=_describe)
+    from megatron_dynamo.models.checkpoint_io import CheckpointError
+    from megatron_dynamo.models.mappings import MappingError
+    from megatron_dynamo.models.qwen import UnsupportedModelConfig
+
+    # One line for the errors a user can act on, the traceback for anything else.
+    return run_on_ranks(_call_without_rank, world_size, fn, *args,
+                        user_errors=(CheckpointError, MappingError, UnsupportedModelConfig, RankError))

@@ -107,7 +107,7 @@ def test_long_prompts_are_counted_and_a_run_that_would_cut_most_is_refused(tmp_p
 # 4 ----------------------------------------------------------------------------------------------------------------
 def test_the_readme_cpu_eval_benchmark_exists_on_a_fresh_clone():
     from megatron_dynamo.data.dataset import load_math_jsonl
-    from megatron_dynamo.trainer.trainer import load_examples
+    from megatron_dynamo.trainer.preflight import load_examples
 
     readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     assert "--benchmarks synthetic_eval " in readme and "synthetic_eval.jsonl" not in readme

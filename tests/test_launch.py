@@ -105,11 +105,11 @@ def test_site_roots_rebase_the_yaml_paths_and_explicit_overrides_win(monkeypatch
 
 # ---------------------------------------------------------------------------------------------- entry points
 def test_entry_train_runs_the_train_command_path_with_resume(monkeypatch, capsys):
-    import megatron_dynamo.commands.train as train_cmd
+    import megatron_dynamo.launch.ranks as ranks
     import megatron_dynamo.trainer.preflight as preflight
 
     calls = []
-    monkeypatch.setattr(train_cmd, "train_on_rank", lambda *args: calls.append(args))
+    monkeypatch.setattr(ranks, "train_on_rank", lambda *args: calls.append(args))
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "16")
     cfg = load_run_config(str(ROOT / "configs/qwen3-14b.yaml"))
@@ -578,8 +578,8 @@ BATCH_SHELL_ENV = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0
 def test_one_launcher_test_for_trainer_eval_and_converter(monkeypatch):
     from checkpoints_convert import launch as convert_launch
     from megatron_dynamo.commands import eval as eval_command
-    from megatron_dynamo.commands import train as train_command
-    from megatron_dynamo.parallel.runtime import detect_launch, launcher, local_rank, single_process_environment
+    from megatron_dynamo.parallel.runtime import (detect_launch, launched_externally, launcher, local_rank,
+                                                  single_process_environment)
 
     assert launcher(TORCHRUN_ENV) == "torchrun" and launcher(SRUN_ENV) == "slurm" and launcher({}) == "single"
     assert launcher(BATCH_SHELL_ENV) == "single"  # a command in the batch script itself is one process
@@ -595,7 +595,7 @@ def test_one_launcher_test_for_trainer_eval_and_converter(monkeypatch):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        assert train_command._launched_externally() is expected
+        assert launched_externally() is expected  # the trainer's test (launch.ranks)
         assert eval_command._launched_externally() is expected
         assert convert_launch.under_launcher() is expected
 

@@ -266,14 +266,12 @@ def test_sleep_and_wake_up(engine, tokenizer):
     try:
         engine.sleep()
         engine.sleep()  # idempotent
-        assert engine.is_sleeping
         with pytest.raises(RuntimeError, match="asleep"):
             engine.generate(requests, sampling)
         engine.wake_up()
         engine.wake_up()
     finally:
         del llm.sleep, llm.wake_up
-    assert not engine.is_sleeping
     # vLLM's CPU backend has no sleep mode: nothing is asked of vLLM (its worker would only warn that it ignores it).
     assert engine.sleep_mode == torch.cuda.is_available()
     assert engine.sleep_mode or not {"sleep", "wake_up"} & set(calls), calls

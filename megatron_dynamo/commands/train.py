@@ -31,7 +31,6 @@ signals torchrun alone (docs/cluster.md).
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -54,66 +53,6 @@ def add_arguments(parser) -> None:
                              "multiple of it); ignored under torchrun/srun")
 
 
-def _launched_externally() -> bool:
-    from megatron_dynamo.parallel.runtime import launcher
-
-    return launcher() != "single"
-
-
-def launch_training(run, resume: bool, nproc: int | None = None) -> None:
-    """Train ``run`` (a validated RunConfig) in this process's rank(s): under torchrun/srun this process is one
-    rank; otherwise it runs ``nproc`` local ranks (default tensor x pipeline parallel size), spawning them when
-    more than one. Raises TrainingError / RolloutError / RankError with a message for the user."""
-    from megatron_dynamo.parallel.process_guard import start_guard
-    from megatron_dynamo.parallel.runtime import detect_launch
-    from megatron_dynamo.parallel.spawn import run_on_ranks
-    from megatron_dynamo.parallel.stop_signals import STOP_SIGNALS
-
-    start_guard()  # however this process ends, nothing it started (vLLM, reward workers, ranks) outlives it
-    nproc = _world_size(run, nproc)
-    if _launched_externally():
-        launch = detect_launch()
-        train_on_rank(launch.rank, launch.world_size, run, resume)
-    elif nproc == 1:
-        train_on_rank(0, 1, run, resume)
-    else:
-        run_on_ranks(train_on_rank, nproc, run, resume, describe=_describe, forward=STOP_SIGNALS)
-
-
-def _world_size(run, nproc: int | None) -> int:
-    """The job's ranks: the launcher's world size, else ``--nproc``, else tensor x pipeline parallel."""
-    if _launched_externally():
-        from megatron_dynamo.parallel.runtime import detect_launch
-
-        return detect_launch().world_size
-    return nproc or run.parallel.tensor_parallel * run.parallel.pipeline_parallel
-
-
-def train_on_rank(rank, world_size, run, resume):
-    """One rank's run. SIGINT / SIGTERM end it at the next step boundary (see ``Trainer.train``); the processes it
-    starts (vLLM, reward workers) run in sessions of their own so that Ctrl-C reaches the trainer only."""
-    from megatron_dynamo.parallel.process_guard import children_in_own_session
-    from megatron_dynamo.parallel.stop_signals import stop_on_signals
-    from megatron_dynamo.trainer.trainer import Trainer
-
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
-    if not run.logging.verbose:
-        # Megatron logs every parameter name and its optimizer config at INFO: keep our progress line readable.
-        for noisy in ("megatron", "megatron.core", "vllm"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
-        from megatron_dynamo import library_logs
-
-        library_logs.install()  # a spawned rank (--nproc) starts without the launcher's filters (library_logs.WARNINGS)
-    with stop_on_signals("dynamo train: {signal} received: stopping after the current step (send it again to stop "
-                         "at once)" if rank == 0 else None), children_in_own_session():
-        trainer = Trainer(run, resume=resume)
-        try:
-            history = trainer.train()
-        finally:
-            trainer.close()
-    return history if rank == 0 else None
-
-
 def _layout_line(cfg, world_size: int, kind: str) -> str:
     """The header's second line: ranks, who started them, the training layout and the rollout engines."""
     p = cfg.parallel
@@ -128,6 +67,7 @@ def _layout_line(cfg, world_size: int, kind: str) -> str:
 def run(args) -> int:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     from megatron_dynamo.config import ConfigError
+    from megatron_dynamo.launch.ranks import job_world_size
     from megatron_dynamo.trainer.config import load_run_config
 
     from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts
@@ -137,7 +77,7 @@ def run(args) -> int:
         # Missing files, an output directory holding another run, too few or too long prompts: one line now
         # (exit 2, nothing written), not a traceback after the ranks start. Hub ids are resolved here, once: the
         # ranks get the local snapshot directories.
-        cfg = check_run_inputs(cfg, world_size=_world_size(cfg, args.nproc), resume=args.resume)
+        cfg = check_run_inputs(cfg, world_size=job_world_size(cfg, args.nproc), resume=args.resume)
         prompt_note = check_training_prompts(cfg)
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
@@ -153,9 +93,10 @@ def run(args) -> int:
     if detect_launch().rank == 0:
         print(f"dynamo train: {args.config} ({args.algo}{', resumed' if args.resume else ''}), "
               f"{cfg.trainer.steps} steps -> {cfg.trainer.output_dir}", flush=True)
-        print(f"dynamo train: {_layout_line(cfg, _world_size(cfg, args.nproc), launcher())}", flush=True)
+        print(f"dynamo train: {_layout_line(cfg, job_world_size(cfg, args.nproc), launcher())}", flush=True)
         if prompt_note:
             print(f"dynamo train: {prompt_note}", flush=True)
+    from megatron_dynamo.launch.ranks import launch_training
     from megatron_dynamo.parallel import stop_signals
     from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.step import RolloutError
@@ -179,15 +120,3 @@ def _no_intact_checkpoint(exc: BaseException) -> bool:
 
     texts = [text for _, text in exc.errors] if hasattr(exc, "errors") else [str(exc)]
     return all(text.startswith(NO_INTACT_CHECKPOINT) for text in texts)
-
-
-def _describe(exc: BaseException) -> str:
-    """What a failed rank reports: one line for the errors a user can act on, else the traceback."""
-    import traceback
-
-    from megatron_dynamo.trainer.step import RolloutError
-    from megatron_dynamo.trainer.trainer import TrainingError
-
-    if isinstance(exc, (TrainingError, RolloutError)):
-        return str(exc)
-    return "".join(traceback.format_exception(exc)).rstrip()

@@ -59,7 +59,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The model directory an argument names (see the module doc; a hub id: its snapshot in the Hugging Face
     cache, downloaded there unless HF_HUB_OFFLINE is set), or EvalError saying what was found."""
     from megatron_dynamo.models.hub import HubModelError, resolve_model_dir
-    from megatron_dynamo.trainer.checkpoint import latest_checkpoint
+    from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
 
     try:
         path = resolve_model_dir(path, "checkpoint")
@@ -97,7 +97,7 @@ def prepare_model(path: str | os.PathLike, work_dir: str | os.PathLike,
                   tokenizer: str | os.PathLike | None = None) -> ModelSource:
     """Resolve ``path`` and make sure an HF directory with tokenizer files exists for it (converting a Megatron
     checkpoint into ``<work_dir>/hf_model``). ``tokenizer``: a directory to take tokenizer files from instead."""
-    from checkpoints_convert import export_to_hf
+    from megatron_dynamo.models.export import export_to_hf
 
     source = resolve_checkpoint(path)
     training_config = None

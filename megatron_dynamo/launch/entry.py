@@ -1,7 +1,7 @@
 """Importable entry points of the nemo-run recipes (``run.Partial`` targets). No nemo-run import here.
 
 Under torchrun / srun every process calls :func:`train` with the same config and is one rank: it runs the code path
-of ``dynamo train`` (``commands.train.train_on_rank``). Failures exit non-zero, which is what makes the Slurm job
+of ``dynamo train`` (``launch.ranks.train_on_rank``). Failures exit non-zero, which is what makes the Slurm job
 requeue itself (nemo-run's batch script requeues on a non-zero exit while retries are left).
 """
 
@@ -20,8 +20,8 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
     a warning), so the same task serves the first submission and every requeue."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    from megatron_dynamo.commands.train import launch_training
     from megatron_dynamo.config import ConfigError, validate_tree
+    from megatron_dynamo.launch.ranks import launch_training
     from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.config import with_algorithm
     from megatron_dynamo.trainer.preflight import check_run_inputs
@@ -46,7 +46,7 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
 def resolve_checkpoint(path: str) -> str:
     """A training checkpoint directory (``<output_dir>/checkpoints``, holding ``latest``) -> its latest step
     directory; any other path unchanged. Resolved when the job runs, not when it is submitted."""
-    from megatron_dynamo.trainer.checkpoint import latest_checkpoint
+    from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
 
     latest = latest_checkpoint(path)
     return str(latest) if latest is not None else path

@@ -1,7 +1,9 @@
 """Stream the full HF tensors of a (tensor/pipeline-parallel) Megatron model, one parameter at a time.
 
 :func:`iter_hf_weights` is the single export path of the project: ``megatron-to-hf`` writes its output with it
-and the rollout weight sync pushes live trainer weights to the inference engine with it.
+and the rollout weight sync pushes live trainer weights to the inference engine with it. :func:`export_to_hf`
+converts a saved checkpoint to an HF directory by running that converter (``python -m checkpoints_convert``) in a
+child process: the trainer and ``dynamo eval`` call it, and so import no converter code.
 
 Contract
 --------
@@ -32,6 +34,10 @@ pipeline layout (including virtual stages and uneven splits) works without assum
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -40,6 +46,7 @@ import torch.distributed as dist
 from megatron_dynamo.models.mappings import (MappingError, ParamMapping, ReplicatedMapping, chunk_mappings,
                                              global_mappings, unwrap_model)
 from megatron_dynamo.models.qwen import QwenArchitecture
+from megatron_dynamo.parallel.runtime import single_process_environment
 
 
 def _local_mappings(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, te_spec: bool):
@@ -170,3 +177,20 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, t
                 if tuple(tensor.shape) != shape:
                     raise MappingError(f"{name}: exported shape {tuple(tensor.shape)} differs from {shape}")
                 yield name, tensor
+
+
+def export_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike,
+                 tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """``megatron-to-hf`` in a child process, replacing ``out`` atomically; raises RuntimeError with the
+    converter's message on failure. A child process because the converter runs its ranks under torch.distributed
+    itself: the trainer (which owns a process group) and ``dynamo eval`` (about to start vLLM) must not. The child
+    gets this process's environment without the launcher variables (torchrun's RANK/WORLD_SIZE, srun's SLURM_PROCID
+    ...): a rank of an N-process job that converts starts one single-process converter, not a rank of that job."""
+    cmd = [sys.executable, "-m", "checkpoints_convert", "megatron-to-hf", "--megatron", str(megatron_dir),
+           "--out", str(out), "--force", "--quiet"]
+    if tokenizer_dir is not None:
+        cmd += ["--tokenizer", str(tokenizer_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=single_process_environment())
+    if proc.returncode != 0:
+        raise RuntimeError(f"converting {megatron_dir} to HF failed: {proc.stderr.strip()[-2000:]}")
+    return Path(out)

@@ -35,7 +35,9 @@ _CUDA_TYPE_NAMES = {
 }
 
 
-def _is_cuda_device(device) -> bool:
+def is_cuda_device(device) -> bool:
+    """Whether a torch device argument names a CUDA device: ``torch.device("cuda")``, ``"cuda"``, ``"cuda:1"``, or
+    a bare ordinal. The one test both this layer and ``parallel.device_check`` use."""
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -55,10 +57,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             name = _CUDA_TYPE_NAMES.get(args[0].dtype)
             if name is not None:
                 return name
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        if "device" in kwargs and is_cuda_device(kwargs["device"]):
             kwargs["device"] = torch.device("cpu")
         if func is torch.Tensor.to:
-            args = tuple(torch.device("cpu") if _is_cuda_device(a) and i > 0 else a for i, a in enumerate(args))
+            args = tuple(torch.device("cpu") if is_cuda_device(a) and i > 0 else a for i, a in enumerate(args))
         return func(*args, **kwargs)
 
 

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from megatron_dynamo.parallel.cpu_compat import is_cuda_device
+
 DEVICE, HOST = "device", "host"
 SIMULATED_DEVICE = torch.device("cuda", 0)
 _ATTR = "_dynamo_simulated_place"
@@ -71,14 +73,6 @@ def _mark(value: Any, where: str | None) -> None:
                 setattr(t, _ATTR, where)
             except (AttributeError, RuntimeError):  # e.g. tensors of C++ namedtuples
                 pass
-
-
-def _is_cuda_like(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, int) and not isinstance(device, bool)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -130,7 +124,7 @@ class _PlacementMode(TorchFunctionMode):
     def _result_place(self, func, args, kwargs) -> str | None:
         if func in _FACTORIES:
             if "device" in kwargs and kwargs["device"] is not None:
-                return DEVICE if _is_cuda_like(kwargs["device"]) else HOST
+                return DEVICE if is_cuda_device(kwargs["device"]) else HOST
             if func in _LIKE_FACTORIES:
                 return place(args[0])
             return HOST
@@ -146,7 +140,7 @@ class _PlacementMode(TorchFunctionMode):
                 elif isinstance(a, torch.Tensor):
                     return place(a)
             if target is not None:
-                return DEVICE if _is_cuda_like(target) else HOST
+                return DEVICE if is_cuda_device(target) else HOST
             return place(args[0])
         if func in _COPIES:  # copies cross devices by design
             return place(args[0])

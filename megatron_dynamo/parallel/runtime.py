@@ -92,7 +92,8 @@ class RuntimeInfo:
     cp_size: int
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's pick): a rendezvous port for a job of this machine's own."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -128,6 +129,12 @@ def launcher(env: Mapping[str, str] | None = None) -> str:
     return "single"
 
 
+def launched_externally(env: Mapping[str, str] | None = None) -> bool:
+    """This process is a rank that torchrun or srun started (:func:`launcher` is not ``"single"``): the trainer,
+    ``dynamo eval`` and the checkpoint converter then run as that rank instead of spawning their own."""
+    return launcher(env) != "single"
+
+
 def local_rank(env: Mapping[str, str] | None = None) -> int:
     """This process's index on its node: LOCAL_RANK (torchrun), else SLURM_LOCALID (srun), else 0. Never the
     global rank: from the second node on that names a GPU the node does not have."""
@@ -156,7 +163,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
         port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
         return LaunchInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local_rank(env),
                           addr, port, "slurm")
-    return LaunchInfo(0, 1, 0, "127.0.0.1", _free_port(), "single")
+    return LaunchInfo(0, 1, 0, "127.0.0.1", free_port(), "single")
 
 
 def seed_everything(seed: int) -> None:

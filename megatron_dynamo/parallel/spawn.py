@@ -5,8 +5,8 @@ Used by the multi-process tests, the benchmarks and the CLIs that need N ranks o
 ``results = run_on_ranks(fn, world_size, *args)``. ``fn(rank, world_size,
 *args)`` must be a module-level function (it is pickled into spawned children) and may return anything
 ``torch.save`` can write. torch.distributed is initialised with gloo before ``fn`` runs and destroyed after.
-A failure on any rank is re-raised in the parent as :class:`RankError` with that rank's traceback (or, with
-``describe=``, the text that function makes of the exception, e.g. one line for errors a user can act on).
+A failure on any rank is re-raised in the parent as :class:`RankError` with that rank's traceback, or its message
+alone for the errors a user can act on (``user_errors=``: :func:`failure_text`).
 
 Processes: each rank runs in its own session and is killed by the kernel when the parent dies
 (``process_guard.die_with_parent``), so a signal to the parent's process group (Ctrl-C at a terminal) reaches the
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -29,12 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_dynamo.cpus import threads_per_rank
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_dynamo.parallel.runtime import free_port
 
 
 class RankError(RuntimeError):
@@ -48,7 +42,15 @@ class RankError(RuntimeError):
         super().__init__(message)
 
 
-def _worker(rank, world_size, port, out_dir, fn, args, describe, parent_pid=None):
+def failure_text(exc: BaseException, user_errors: tuple[type[BaseException], ...] = ()) -> str:
+    """What a failed rank reports: the message of an error a user can act on (an instance of ``user_errors``: a
+    bad checkpoint, a missing file...), else the whole traceback."""
+    if isinstance(exc, user_errors):
+        return str(exc)
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+def _worker(rank, world_size, port, out_dir, fn, args, describe, parent_pid=None, user_errors=()):
     from megatron_dynamo.parallel.process_guard import die_with_parent
 
     with contextlib.suppress(OSError):
@@ -67,7 +69,7 @@ def _worker(rank, world_size, port, out_dir, fn, args, describe, parent_pid=None
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        torch.save({"ok": False, "error": describe(exc) if describe else traceback.format_exc()}, path)
+        torch.save({"ok": False, "error": describe(exc) if describe else failure_text(exc, user_errors)}, path)
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -106,16 +108,19 @@ def _wait_for_ranks(processes, stop_grace: float) -> None:
         wait([p.sentinel for p in running], timeout=0.5)
 
 
-def run_on_ranks(fn, world_size: int, *args, describe=None, forward=(), stop_grace: float = 60.0):
+def run_on_ranks(fn, world_size: int, *args, user_errors: tuple[type[BaseException], ...] = (), describe=None,
+                 forward=(), stop_grace: float = 60.0):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the list of results by rank.
-    ``describe(exc) -> str`` (module-level) says what a failing rank reports (default: its traceback).
+    A failing rank reports :func:`failure_text` ``(exc, user_errors)`` (its message for those errors, else its
+    traceback), or ``describe(exc) -> str`` (module-level) when given.
     ``forward``: signals this process sends on to the ranks while they run (main thread only); after one, ranks
     still running when another failed get ``stop_grace`` seconds to finish before they are killed."""
     from megatron_dynamo.parallel.stop_signals import forward_signals
 
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
-        context = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, describe, os.getpid()),
+        port = free_port()
+        context = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, describe, os.getpid(),
+                                                    user_errors),
                                      nprocs=world_size, join=False, start_method="spawn")
         processes = context.processes
         try:

@@ -36,15 +36,6 @@ class RolloutAllocation:
     def budget(self) -> int:
         return sum(self.counts)
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(zip(self.prompt_ids, self.counts))
-
-    def as_metrics(self, prefix: str = "allocation/") -> dict[str, float]:
-        counts = np.asarray(self.counts, dtype=np.float64)
-        return {f"{prefix}predicted_variance_ratio": float(self.predicted_variance_ratio),
-                f"{prefix}budget": float(counts.sum()), f"{prefix}count_min": float(counts.min(initial=0)),
-                f"{prefix}count_max": float(counts.max(initial=0)), f"{prefix}count_std": float(counts.std())}
-
 
 def prompt_ids_digest(prompt_ids: Sequence[Any]) -> int:
     """A signed 63-bit digest of the ordered prompt ids (type-tagged: 1 and "1" differ)."""

@@ -11,7 +11,9 @@ engine saw) and gets back, per response, the sampled ids and the engine's log-pr
   reference code repeated the prompt metadata uniformly while the counts differed, and scored responses against
   the wrong prompts).
 - :class:`GenerationEngine`: the protocol (``generate``, ``update_weights``, ``sleep``, ``wake_up``, ``close``).
-- A registry of engine factories by name (``"vllm"`` is registered by this package, imported lazily).
+- A registry of engine factories by name. This module imports no engine: each engine's module registers itself
+  (``rollout/vllm_engine.py`` registers ``"vllm"``), and importing :mod:`megatron_dynamo.rollout` (which Python
+  does before any of its modules) imports them. vLLM itself is imported only when an engine is built.
 
 Seeds: with ``SamplingConfig.seed`` set, request ``i`` gets the seed :func:`request_seed` ``(seed, step,
 prompt_id)``; a prompt's samples then depend only on (run seed, step, prompt id, prompt tokens, count, weights),
@@ -270,21 +272,12 @@ def registered_engines() -> list[str]:
 
 
 def create_engine(name: str, **kwargs: Any) -> GenerationEngine:
-    """Build the engine registered as ``name`` (``"vllm"``: :class:`~megatron_dynamo.rollout.vllm_engine.VLLMEngine`)."""
+    """Build the engine registered as ``name`` (``"vllm"``: ``rollout.vllm_engine.VLLMEngine``, registered there)."""
     try:
         factory = _ENGINES[name]
     except KeyError:
         raise ValueError(f"unknown generation engine {name!r}; registered: {registered_engines()}") from None
     return factory(**kwargs)
-
-
-def _vllm_factory(**kwargs: Any) -> GenerationEngine:
-    from megatron_dynamo.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
-
-    return VLLMEngine(**kwargs)
-
-
-register_engine("vllm", _vllm_factory)
 
 
 def as_mapping(responses: Sequence[GenerationResponse]) -> Mapping[tuple[str, int], GenerationResponse]:

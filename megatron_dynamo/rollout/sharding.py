@@ -56,9 +56,6 @@ class EngineLayout:
         """The engine's first rank: it scores the engine's responses and contributes them to the exchange."""
         return self.rank % self.tensor_parallel == 0
 
-    def leader_rank(self, engine: int) -> int:
-        return engine * self.tensor_parallel
-
 
 def request_loads(prompt_lengths: Sequence[int], counts: Sequence[int], expected_response_tokens: float) -> list[float]:
     """The expected work of each request in tokens: its prompt (prefilled once, shared by its samples) plus

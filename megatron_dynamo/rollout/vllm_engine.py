@@ -51,15 +51,16 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES, free_port, local_rank
 from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResponse, NamedTensors, SamplingConfig,
-                                               WeightUpdateStats, check_requests, check_responses, request_seed)
+                                               WeightUpdateStats, check_requests, check_responses, register_engine,
+                                               request_seed)
 from megatron_dynamo.rollout.sharding import EngineLayout
 
 logger = logging.getLogger(__name__)
@@ -147,12 +148,6 @@ class VLLMEngineConfig:
         return cfg
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rng_states() -> tuple:
     import random
 
@@ -175,9 +170,10 @@ def _set_rng_states(states: tuple) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-# Read while the engine starts, restored once it is up. VLLM_DIST_IDENT is vLLM's CPU worker's own (a name for its
-# shared memory), which vLLM's environment check calls unknown in any vLLM process started later that inherits it.
-_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VLLM_DIST_IDENT")
+# Read while the engine starts, restored once it is up: the launcher's variables (set below for vLLM's external
+# launcher) and VLLM_DIST_IDENT, vLLM's CPU worker's own (a name for its shared memory), which vLLM's environment
+# check calls unknown in any vLLM process started later that inherits it.
+_LAUNCH_VARIABLES = (*LAUNCH_VARIABLES, "VLLM_DIST_IDENT")
 
 
 def _launch_environment(layout: EngineLayout) -> None:
@@ -190,8 +186,6 @@ def _launch_environment(layout: EngineLayout) -> None:
         os.environ["RANK"] = str(layout.rank)
         os.environ["WORLD_SIZE"] = str(layout.world_size)
         # This process's index on its node (LOCAL_RANK, else srun's SLURM_LOCALID), never the global rank.
-        from megatron_dynamo.parallel.runtime import local_rank
-
         os.environ["LOCAL_RANK"] = str(local_rank())
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
@@ -199,7 +193,7 @@ def _launch_environment(layout: EngineLayout) -> None:
                                "external launcher needs MASTER_ADDR and MASTER_PORT")
     else:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
 
 
 def quiet_reload_records_of_buffer_only_layers(model: torch.nn.Module) -> None:
@@ -313,10 +307,6 @@ class VLLMEngine:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the engine's tokenizer (no special tokens added)."""
         return list(self.get_tokenizer().encode(text, add_special_tokens=False))
-
-    @property
-    def is_sleeping(self) -> bool:
-        return bool(self._sleeping_tags)
 
     @property
     def sleep_mode(self) -> bool:
@@ -547,3 +537,6 @@ class VLLMEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+register_engine("vllm", VLLMEngine)  # the interface imports no engine: each fills the registry where it is defined

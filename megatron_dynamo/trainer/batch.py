@@ -56,10 +56,6 @@ def shard_for_rank(samples: list[Sample], dp_rank: int, dp_size: int) -> list[Sa
     return ordered[dp_rank::dp_size]
 
 
-def response_token_count(samples: list[Sample]) -> int:
-    return sum(s.num_response_tokens for s in samples)
-
-
 def sequence_length(sample: Sample) -> int:
     """Tokens the model processes for ``sample``: prompt + response - 1 (the last token is only a label)."""
     return len(sample.prompt_tokens) + len(sample.response_tokens) - 1

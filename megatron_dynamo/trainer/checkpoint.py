@@ -24,7 +24,6 @@ import io
 import json
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -35,21 +34,16 @@ import torch.distributed as dist
 
 from megatron_dynamo.models.checkpoint_io import (fsync_tree, load_model_checkpoint, model_sharded_state_dict,
                                                    save_model_checkpoint, write_checkpoint_info)
+from megatron_dynamo.models.checkpoint_dirs import (LATEST, STATE_FILE, STEP_DIR, latest_checkpoint,  # noqa: F401
+                                                     list_checkpoints, step_dir_name)
 from megatron_dynamo.parallel.runtime import collective_device
 from megatron_dynamo.trainer.checkpoint_manifest import (MANIFEST_FILE, check_files, hash_files, owned_files,
                                                          read_manifest, write_manifest)
 
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
-LATEST = "latest"
-STATE_FILE = "trainer_state.json"
 
 
 class CheckpointSaveError(RuntimeError):
     """Saving failed (e.g. disk full); the previous checkpoint is untouched."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
 
 
 def _encode_tensor(t: torch.Tensor) -> str:
@@ -76,31 +70,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_decode_tensor(state["torch"]))
-
-
-def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` (``.tmp`` leftovers excluded), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = STEP_DIR.match(path.name)
-        if match and (path / STATE_FILE).is_file():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint named by ``latest`` if it is complete, else the newest complete one, else None."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / STATE_FILE).is_file():
-            return candidate
-    checkpoints = list_checkpoints(root)
-    return checkpoints[-1][1] if checkpoints else None
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, trainer_state: dict[str, Any],

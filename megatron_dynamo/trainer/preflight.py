@@ -118,13 +118,22 @@ def small_data_fix(num_prompts: int, prompts_per_step: int, mini_batch_prompts: 
     return {"data.prompts_per_step": num_prompts, "trainer.mini_batch_prompts": num_prompts}
 
 
+def load_examples(run: RunConfig):
+    """The run's training problems: a generated task's (seeded), else the rows of its data file."""
+    from megatron_dynamo.data.dataset import GENERATED_TASKS, load_math_jsonl
+
+    if run.data.train in GENERATED_TASKS:
+        return GENERATED_TASKS[run.data.train].make(run.data.synthetic_problems, run.data.seed)
+
+    return list(load_math_jsonl(run.data.train, data_dir=run.data.data_dir))
+
+
 def check_training_prompts(run: RunConfig) -> str | None:
     """The training prompts against the step size and the prompt-length policy (``data.prompt_overflow``), before
     any rank starts. Raises :class:`ConfigError` (one line naming every key to change); returns the console line
     about long prompts, or None."""
     from megatron_dynamo.data.prompt_length import (PromptLengthReport, check_prompt_overflow, fitting_examples,
                                                     prompt_token_lengths)
-    from megatron_dynamo.trainer.trainer import load_examples
 
     try:
         examples = load_examples(run)

@@ -226,7 +226,7 @@ class StepRunner:
             if run.logging.rollouts:
                 self._log_rollouts(step, responses, rewards)
         self.current_step = step  # seeds the baselines' random token selection (trainer/token_selection.py)
-        update_metrics = self._update(samples, prompt_ids, timer)
+        update_metrics = self.update(samples, prompt_ids, timer)
         with timer("weight_sync"):
             sync_stats = self._sync_weights(step)
         counts = np.asarray(counts)
@@ -326,7 +326,10 @@ class StepRunner:
                     per_sample.setdefault(index, {})[name] = values
         return per_sample
 
-    def _update(self, samples: list[Sample], prompt_order: list[str], timer: StageTimer) -> dict[str, float]:
+    def update(self, samples: list[Sample], prompt_order: list[str], timer: StageTimer) -> dict[str, float]:
+        """The RL update of one step on scored ``samples``: old log-probs, advantages and modulation, then one
+        optimizer step per mini-batch of ``prompt_order``; returns its metrics (``benchmarks/bench_update.py``
+        times it)."""
         run, ps = self.run, _parallel()
         mini_batches = split_mini_batches(samples, prompt_order, run.trainer.mini_batch_prompts)
         plans = [(mb, self.micro_batches_for(mb)) for mb in mini_batches if mb]

@@ -51,15 +51,6 @@ def build_tokenizer(run: RunConfig, output_dir: Path):
     return tokenizer
 
 
-def load_examples(run: RunConfig):
-    from megatron_dynamo.data.dataset import GENERATED_TASKS, load_math_jsonl
-
-    if run.data.train in GENERATED_TASKS:
-        return GENERATED_TASKS[run.data.train].make(run.data.synthetic_problems, run.data.seed)
-
-    return list(load_math_jsonl(run.data.train, data_dir=run.data.data_dir))
-
-
 def _hf_weight_source(path: str | None):
     """A tensor getter for an HF model directory, or None (random init / Megatron checkpoint)."""
     if path is None:
@@ -145,6 +136,7 @@ class Trainer:
         from megatron_dynamo.data.dataset import PromptSampler
         from megatron_dynamo.rollout.interface import SamplingConfig
         from megatron_dynamo.trainer.actor import MegatronActor
+        from megatron_dynamo.trainer.preflight import load_examples
         from megatron_dynamo.trainer.step import StepRunner
 
         run = self.run
@@ -403,8 +395,8 @@ class Trainer:
 
     def export_hf(self) -> Path:
         """Convert the latest checkpoint to an HF model directory (``<output_dir>/hf``) with the converter."""
-        from checkpoints_convert import export_to_hf
-        from megatron_dynamo.trainer.checkpoint import latest_checkpoint
+        from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
+        from megatron_dynamo.models.export import export_to_hf
 
         source = latest_checkpoint(self.checkpoint_root)
         target = self.output_dir / "hf"

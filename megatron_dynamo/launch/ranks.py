@@ -1,0 +1,64 @@
+"""Training in this process's ranks, for ``dynamo train`` and the launch entry points (``launch.entry.train``):
+under torchrun / srun this process is one rank (:func:`megatron_dynamo.parallel.runtime.launched_externally`);
+otherwise it runs the job's ranks itself, spawning them when there are several."""
+
+from __future__ import annotations
+
+import logging
+
+from megatron_dynamo.parallel.runtime import detect_launch, launched_externally
+
+
+def launch_training(run, resume: bool, nproc: int | None = None) -> None:
+    """Train ``run`` (a validated RunConfig) in this process's rank(s): under torchrun/srun this process is one
+    rank; otherwise it runs ``nproc`` local ranks (default tensor x pipeline parallel size), spawning them when
+    more than one. Raises TrainingError / RolloutError / RankError with a message for the user."""
+    from megatron_dynamo.parallel.process_guard import start_guard
+    from megatron_dynamo.parallel.spawn import run_on_ranks
+    from megatron_dynamo.parallel.stop_signals import STOP_SIGNALS
+    from megatron_dynamo.trainer.step import RolloutError
+    from megatron_dynamo.trainer.trainer import TrainingError
+
+    start_guard()  # however this process ends, nothing it started (vLLM, reward workers, ranks) outlives it
+    nproc = job_world_size(run, nproc)
+    if launched_externally():
+        launch = detect_launch()
+        train_on_rank(launch.rank, launch.world_size, run, resume)
+    elif nproc == 1:
+        train_on_rank(0, 1, run, resume)
+    else:
+        # A failed rank reports one line for the errors a user can act on, its traceback for anything else.
+        run_on_ranks(train_on_rank, nproc, run, resume, user_errors=(TrainingError, RolloutError),
+                     forward=STOP_SIGNALS)
+
+
+def job_world_size(run, nproc: int | None) -> int:
+    """The job's ranks: the launcher's world size, else ``--nproc``, else tensor x pipeline parallel."""
+    if launched_externally():
+        return detect_launch().world_size
+    return nproc or run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+
+
+def train_on_rank(rank, world_size, run, resume):
+    """One rank's run. SIGINT / SIGTERM end it at the next step boundary (see ``Trainer.train``); the processes it
+    starts (vLLM, reward workers) run in sessions of their own so that Ctrl-C reaches the trainer only."""
+    from megatron_dynamo.parallel.process_guard import children_in_own_session
+    from megatron_dynamo.parallel.stop_signals import stop_on_signals
+    from megatron_dynamo.trainer.trainer import Trainer
+
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    if not run.logging.verbose:
+        # Megatron logs every parameter name and its optimizer config at INFO: keep our progress line readable.
+        for noisy in ("megatron", "megatron.core", "vllm"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        from megatron_dynamo import library_logs
+
+        library_logs.install()  # a spawned rank (--nproc) starts without the launcher's filters (library_logs.WARNINGS)
+    with stop_on_signals("dynamo train: {signal} received: stopping after the current step (send it again to stop "
+                         "at once)" if rank == 0 else None), children_in_own_session():
+        trainer = Trainer(run, resume=resume)
+        try:
+            history = trainer.train()
+        finally:
+            trainer.close()
+    return history if rank == 0 else None

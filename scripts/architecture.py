@@ -1,0 +1,334 @@
+"""The import graph of the project, built from the source with ``ast``, and the rules it must keep.
+
+``python scripts/architecture.py`` prints every violation (exit 1 if any, 0 if none):
+
+- **circles**: a cycle between modules, or between packages (``trainer`` <-> ``eval``), counting imports made inside
+  functions too (an import inside a function still ties the two modules together);
+- **upward imports**: an import from a lower layer to a higher one (:data:`LAYERS`, top to bottom); packages of
+  one layer may import each other as long as that makes no circle;
+- **Megatron or vLLM in algorithms/**: the DynaMO maths stays plain torch/numpy;
+- **private names across modules**: ``from m import _x``, or ``m._x`` on an imported module or an imported name
+  (``StepRunner._update``), where ``m`` is another module of the project;
+- **modules over 400 lines** (``MAX_LINES``), benchmarks included.
+
+``python scripts/architecture.py --write-docs`` rewrites the generated part of ``docs/architecture.md`` (the layer
+table and the drawing of the arrows between packages); ``--check-docs`` exits 1 when that part is stale. The test
+(``tests/test_architecture.py``) runs :func:`analyse` on the tree, and on planted trees to show that it fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("megatron_dynamo", "checkpoints_convert", "benchmarks")
+MAX_LINES = 400
+DOC = ROOT / "docs" / "architecture.md"
+BEGIN, END = "<!-- BEGIN GENERATED: scripts/architecture.py --write-docs -->", "<!-- END GENERATED -->"
+
+# Top to bottom. A package is a sub-package of megatron_dynamo (or one of its top-level modules), or one of the
+# other source roots. An arrow may point down, or sideways inside a layer; never up.
+LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("tools", ("benchmarks",), "measurement scripts; nothing imports them"),
+    ("entry points", ("cli", "commands", "checkpoints_convert"),
+     "the `dynamo` subcommands and the `python -m checkpoints_convert` converter: parse, validate, call down"),
+    ("launch", ("launch",), "recipes and the NeMo-Run / Slurm / torchrun launch of the entry points"),
+    ("trainer", ("trainer",), "the DynaMO training loop on Megatron-Core: actor, step, checkpoints, metrics"),
+    ("stages", ("rollout", "eval", "reward", "report"),
+     "what the trainer and the commands use: vLLM rollouts, benchmark evaluation, math rewards, run reports"),
+    ("foundations", ("algorithms", "parallel", "models", "data"),
+     "DynaMO maths, process groups, Qwen models and checkpoint formats, datasets and tokenizers"),
+    ("base", ("__init__", "config", "cpus", "library_logs"),
+     "standard-library helpers every layer may use: YAML config plumbing, CPU counts, library log routing"),
+)
+NO_IMPORTS = {"algorithms": ("megatron", "vllm")}
+
+
+def layer_of(package: str) -> int:
+    for index, (_, packages, _) in enumerate(LAYERS):
+        if package in packages:
+            return index
+    raise KeyError(f"package {package!r} is in no layer of scripts/architecture.py LAYERS")
+
+
+def package_of(module: str) -> str:
+    """``megatron_dynamo.trainer.step`` -> ``trainer``; ``megatron_dynamo.config`` -> ``config``;
+    ``megatron_dynamo`` -> ``__init__``; ``checkpoints_convert.cli`` -> ``checkpoints_convert``."""
+    parts = module.split(".")
+    if parts[0] == "megatron_dynamo":
+        return parts[1] if len(parts) > 1 else "__init__"
+    return parts[0]
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    lines: int
+    rel: str  # the path from the tree's root
+    tree: ast.Module
+
+
+@dataclass
+class Import:
+    source: str
+    target: str  # a module of the project
+    line: int
+    names: tuple[str, ...] = ()
+
+
+@dataclass
+class Report:
+    modules: dict[str, Module]
+    imports: list[Import]
+    module_cycles: list[list[str]] = field(default_factory=list)
+    package_cycles: list[list[str]] = field(default_factory=list)
+    upward: list[str] = field(default_factory=list)
+    forbidden: list[str] = field(default_factory=list)
+    private: list[str] = field(default_factory=list)
+    too_long: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        return ([f"circle between modules: {' -> '.join(c + c[:1])}" for c in self.module_cycles]
+                + [f"circle between packages: {' -> '.join(c + c[:1])}" for c in self.package_cycles]
+                + self.upward + self.forbidden + self.private + self.too_long)
+
+    def package_edges(self) -> set[tuple[str, str]]:
+        edges = set()
+        for imp in self.imports:
+            a, b = package_of(imp.source), package_of(imp.target)
+            if a != b:
+                edges.add((a, b))
+        return edges
+
+
+def load_modules(root: Path, sources: tuple[str, ...] = SOURCES) -> dict[str, Module]:
+    modules = {}
+    for source in sources:
+        for path in sorted((root / source).rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            parts = list(rel.parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            text = path.read_text(encoding="utf-8")
+            modules[".".join(parts)] = Module(".".join(parts), path, is_package, len(text.splitlines()),
+                                              str(path.relative_to(root)), ast.parse(text, filename=str(path)))
+    return modules
+
+
+def _absolute(module: Module, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.name.split(".")
+    if not module.is_package:
+        base = base[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _owner(name: str, modules: dict[str, Module]) -> str | None:
+    """The longest prefix of a dotted name that is a module of the project."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def collect_imports(modules: dict[str, Module]) -> tuple[list[Import], list[str], list[str]]:
+    """Every import of a project module by another one, wherever it stands (functions included); also the
+    forbidden third-party imports and the private names taken from other modules."""
+    imports: list[Import] = []
+    forbidden: list[str] = []
+    private: list[str] = []
+    private_defs = {name: {node.name for node in ast.walk(m.tree)
+                           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                           and node.name.startswith("_") and not node.name.startswith("__")}
+                    for name, m in modules.items()}
+    defined_in: dict[str, set[str]] = {}
+    for name, defs in private_defs.items():
+        for d in defs:
+            defined_in.setdefault(d, set()).add(name)
+    for module in modules.values():
+        def where(node: ast.AST, rel: str = module.rel) -> str:
+            return f"{rel}:{node.lineno}"
+
+        banned = NO_IMPORTS.get(package_of(module.name), ())
+        bound: dict[str, str] = {}  # local name -> the project module (or name in it) it stands for
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] in banned:
+                        forbidden.append(f"{where(node)}: {module.name} imports {alias.name} "
+                                         f"({package_of(module.name)}/ imports no {', '.join(banned)})")
+                    target = _owner(alias.name, modules)
+                    if target and target != module.name:
+                        imports.append(Import(module.name, target, node.lineno))
+                        bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else \
+                            alias.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(module, node)
+                if base.split(".")[0] in banned:
+                    forbidden.append(f"{where(node)}: {module.name} imports {base} "
+                                     f"({package_of(module.name)}/ imports no {', '.join(banned)})")
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    target = full if full in modules else _owner(base, modules)
+                    if not target or target == module.name:
+                        continue
+                    imports.append(Import(module.name, target, node.lineno, (alias.name,)))
+                    bound[alias.asname or alias.name] = full
+                    if alias.name.startswith("_") and not alias.name.startswith("__") and full not in modules:
+                        private.append(f"{where(node)}: {module.name} imports the private name "
+                                       f"{alias.name} from {target}")
+        own = private_defs.get(module.name, set())
+        for node in ast.walk(module.tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in bound:
+                private.append(f"{where(node)}: {module.name} uses the private name "
+                               f"{bound[node.value.id]}.{node.attr}")
+            elif node.attr not in own and node.attr in defined_in and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                # obj._method() of a class defined in another module of the project (runner._update)
+                private.append(f"{where(node)}: {module.name} uses the private name {node.attr} of "
+                               f"{', '.join(sorted(defined_in[node.attr]))}")
+    return imports, forbidden, private
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan), each from its smallest name."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def analyse(root: Path = ROOT, sources: tuple[str, ...] = SOURCES, max_lines: int = MAX_LINES) -> Report:
+    modules = load_modules(root, sources)
+    imports, forbidden, private = collect_imports(modules)
+    report = Report(modules, imports, forbidden=forbidden, private=private)
+    module_edges: dict[str, set[str]] = {}
+    package_edges: dict[str, set[str]] = {}
+    for imp in imports:
+        # A package's __init__ importing its own modules is how packages re-export; it is no circle.
+        if not (modules[imp.source].is_package and imp.target.startswith(imp.source + ".")):
+            module_edges.setdefault(imp.source, set()).add(imp.target)
+        a, b = package_of(imp.source), package_of(imp.target)
+        if a != b:
+            package_edges.setdefault(a, set()).add(b)
+            try:
+                up = layer_of(b) < layer_of(a)
+            except KeyError as err:
+                report.upward.append(f"{modules[imp.source].rel}:{imp.line}: {err.args[0]}")
+                continue
+            if up:
+                report.upward.append(
+                    f"{modules[imp.source].rel}:{imp.line}: {imp.source} ({LAYERS[layer_of(a)][0]}) "
+                    f"imports {imp.target} ({LAYERS[layer_of(b)][0]}): up the layers")
+    report.module_cycles = cycles(module_edges)
+    report.package_cycles = cycles(package_edges)
+    report.too_long = [f"{m.rel}: {m.lines} lines (over {max_lines})"
+                       for m in modules.values() if m.lines > max_lines]
+    return report
+
+
+def mermaid(report: Report) -> str:
+    """The arrows between packages, one subgraph a layer, top to bottom."""
+    lines = ["```mermaid", "flowchart TD"]
+    present = {package_of(m) for m in report.modules}
+    for index, (name, packages, _) in enumerate(LAYERS):
+        shown = [p for p in packages if p in present]
+        if shown:
+            lines.append(f'    subgraph L{index}["{name}"]')
+            lines += [f'        {p.strip("_") or p}["{p}"]' for p in shown]
+            lines.append("    end")
+    for a, b in sorted(report.package_edges()):
+        lines.append(f"    {a.strip('_')} --> {b.strip('_')}")
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def generated(report: Report) -> str:
+    present = {package_of(m) for m in report.modules}
+    rows = ["| layer (top to bottom) | packages | what it owns |", "| --- | --- | --- |"]
+    for name, packages, owns in LAYERS:
+        rows.append(f"| {name} | {', '.join(f'`{p}`' for p in packages if p in present)} | {owns} |")
+    edges = sorted(report.package_edges())
+    arrows = ["| package | imports |", "| --- | --- |"]
+    for a in sorted({a for a, _ in edges}, key=lambda p: (layer_of(p), p)):
+        arrows.append(f"| `{a}` | {', '.join(f'`{b}`' for x, b in edges if x == a)} |")
+    return "\n".join([BEGIN, "", *rows, "", mermaid(report), "", *arrows, "", END])
+
+
+def doc_with(text: str, report: Report) -> str:
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return head + generated(report) + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"rewrite the generated part of {DOC.relative_to(ROOT)} (between its markers)")
+    parser.add_argument("--check-docs", action="store_true",
+                        help=f"exit 1 when the generated part of {DOC.relative_to(ROOT)} is not current")
+    args = parser.parse_args(argv)
+    report = analyse()
+    if args.write_docs or args.check_docs:
+        text = DOC.read_text(encoding="utf-8")
+        if BEGIN not in text or END not in text:
+            print(f"{DOC.relative_to(ROOT)} has no generated markers ({BEGIN} ... {END})", file=sys.stderr)
+            return 2
+        new = doc_with(text, report)
+        if args.check_docs:
+            if new != text:
+                print(f"{DOC.relative_to(ROOT)} is stale: run python scripts/architecture.py --write-docs")
+                return 1
+            return 0
+        DOC.write_text(new, encoding="utf-8")
+        print(f"wrote {DOC.relative_to(ROOT)}")
+        return 0
+    problems = report.problems()
+    for line in problems:
+        print(line)
+    print(f"{len(report.modules)} modules, {len(report.imports)} imports: {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The import graph keeps its rules (scripts/architecture.py): no circle between modules or packages, no import up
+the layers, no Megatron/vLLM in algorithms/, no private name taken from another module, no module over 400 lines;
+docs/architecture.md shows the arrows of the code as it is. Planted trees show that each check fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("architecture", ROOT / "scripts" / "architecture.py")
+architecture = importlib.util.module_from_spec(_spec)
+sys.modules["architecture"] = architecture  # dataclasses look their module up by name
+_spec.loader.exec_module(architecture)
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def test_the_tree_keeps_the_rules():
+    problems = architecture.analyse().problems()
+    assert problems == [], "\n".join(problems)
+
+
+def test_docs_show_the_arrows_of_the_code():
+    text = architecture.DOC.read_text(encoding="utf-8")
+    assert architecture.BEGIN in text and architecture.END in text
+    assert architecture.doc_with(text, architecture.analyse()) == text, \
+        "docs/architecture.md is stale: run python scripts/architecture.py --write-docs"
+
+
+def test_every_package_has_a_layer():
+    for module in architecture.load_modules(ROOT):
+        architecture.layer_of(architecture.package_of(module))  # KeyError names the package
+
+
+def test_planted_tree_fails_on_each_rule(tmp_path):
+    """A synthetic tree with one breach of each rule: each is reported, exactly, and nothing else."""
+    root = _tree(tmp_path, {
+        "megatron_dynamo/__init__.py": "",
+        "megatron_dynamo/trainer/__init__.py": "",
+        "megatron_dynamo/trainer/loop.py": """
+            def run():
+                from ..eval import scorer  # inside a function, relative: still an arrow trainer -> eval
+                return scorer.score()
+            """,
+        "megatron_dynamo/eval/__init__.py": "",
+        "megatron_dynamo/eval/scorer.py": """
+            from megatron_dynamo.trainer.loop import run  # eval -> trainer: up the layers, and a circle
+
+            def score():
+                return 1
+            """,
+        "megatron_dynamo/data/__init__.py": "",
+        "megatron_dynamo/data/rows.py": """
+            class Reader:
+                def _parse(self):
+                    return 0
+
+            def _validate(row):
+                return row
+            """,
+        "megatron_dynamo/data/hub.py": """
+            from megatron_dynamo.data.rows import Reader, _validate
+            from megatron_dynamo.data import rows
+
+            def fetch():
+                return Reader()._parse(), _validate(1), rows._validate(2), Reader._parse
+            """,
+        "megatron_dynamo/algorithms/__init__.py": "",
+        "megatron_dynamo/algorithms/loss.py": "import torch\nfrom megatron.core import parallel_state\n",
+        "megatron_dynamo/models/__init__.py": "",
+        "megatron_dynamo/models/big.py": "x = 1\n" * 41,
+    })
+    report = architecture.analyse(root, ("megatron_dynamo",), max_lines=40)
+    assert report.module_cycles == [["megatron_dynamo.eval.scorer", "megatron_dynamo.trainer.loop"]]
+    assert report.package_cycles == [["eval", "trainer"]]
+    assert report.upward == ["megatron_dynamo/eval/scorer.py:2: megatron_dynamo.eval.scorer (stages) imports "
+                             "megatron_dynamo.trainer.loop (trainer): up the layers"]
+    assert report.forbidden == ["megatron_dynamo/algorithms/loss.py:2: megatron_dynamo.algorithms.loss imports "
+                                "megatron.core (algorithms/ imports no megatron, vllm)"]
+    assert sorted(report.private) == sorted([
+        "megatron_dynamo/data/hub.py:2: megatron_dynamo.data.hub imports the private name _validate from "
+        "megatron_dynamo.data.rows",
+        "megatron_dynamo/data/hub.py:6: megatron_dynamo.data.hub uses the private name _parse of "
+        "megatron_dynamo.data.rows",
+        "megatron_dynamo/data/hub.py:6: megatron_dynamo.data.hub uses the private name "
+        "megatron_dynamo.data.rows._validate",
+        "megatron_dynamo/data/hub.py:6: megatron_dynamo.data.hub uses the private name "
+        "megatron_dynamo.data.rows.Reader._parse",
+    ])
+    assert report.too_long == ["megatron_dynamo/models/big.py: 41 lines (over 40)"]
+    assert len(report.problems()) == 2 + 1 + 1 + 4 + 1
+
+
+def test_a_circle_planted_in_a_copy_of_the_tree_fails(tmp_path):
+    """The real tree with one import added inside a function of models/: a package circle and an upward arrow."""
+    shutil.copytree(ROOT / "megatron_dynamo", tmp_path / "megatron_dynamo",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    before = architecture.analyse(tmp_path, ("megatron_dynamo",)).problems()
+    qwen = tmp_path / "megatron_dynamo" / "models" / "qwen.py"
+    qwen.write_text(qwen.read_text() + "\n\ndef _planted():\n    from megatron_dynamo.trainer import step\n"
+                    "    return step\n")
+    lines = len(qwen.read_text().splitlines()) - 1
+    after = architecture.analyse(tmp_path, ("megatron_dynamo",))
+    new = [p for p in after.problems() if p not in before]
+    assert f"megatron_dynamo/models/qwen.py:{lines}: megatron_dynamo.models.qwen (foundations) imports " \
+           "megatron_dynamo.trainer.step (trainer): up the layers" in new
+    assert any(p.startswith("circle between packages:") and "models" in p and "trainer" in p for p in new), new
+
+
+def test_write_and_check_docs(tmp_path, monkeypatch, capsys):
+    doc = tmp_path / "architecture.md"
+    doc.write_text(f"# title\n\n{architecture.BEGIN}\nold\n{architecture.END}\ntail\n")
+    monkeypatch.setattr(architecture, "DOC", doc)
+    monkeypatch.setattr(architecture, "ROOT", tmp_path)  # DOC is shown relative to ROOT
+    monkeypatch.setattr(architecture, "analyse", lambda: architecture.Report({}, []))
+    assert architecture.main(["--check-docs"]) == 1
+    assert architecture.main(["--write-docs"]) == 0
+    assert architecture.main(["--check-docs"]) == 0
+    text = doc.read_text()
+    assert text.startswith("# title\n\n" + architecture.BEGIN) and text.endswith(architecture.END + "\ntail\n")
+    assert "```mermaid" in text and "old" not in text
+    doc.write_text("# no markers\n")
+    assert architecture.main(["--write-docs"]) == 2
+    assert "no generated markers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,package", [("megatron_dynamo.trainer.step", "trainer"),
+                                            ("megatron_dynamo.config", "config"), ("megatron_dynamo", "__init__"),
+                                            ("checkpoints_convert.cli", "checkpoints_convert"),
+                                            ("benchmarks.bench_update", "benchmarks")])
+def test_package_of(module, package):
+    assert architecture.package_of(module) == package
