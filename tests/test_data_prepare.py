@@ -15,7 +15,7 @@ import pytest
 from megatron_dynamo.cli import main
 from megatron_dynamo.data.dataset import (DATASETS, load_math_file, load_math_jsonl, resolve_dataset_path,
                                            verl_user_text)
-from megatron_dynamo.data.hub import last_boxed, strip_dapo_instruction
+from megatron_dynamo.data.converters import last_boxed, strip_dapo_instruction
 
 REPO = Path(__file__).resolve().parents[1]
 DAPO_WRAP = ("Solve the following math problem step by step. The last line of your response should be of the form "

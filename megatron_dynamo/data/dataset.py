@@ -29,26 +29,38 @@ Decisions:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
+from megatron_dynamo.data.registry import (  # noqa: F401 -- re-exported: the names importers have always used
+    BENCHMARKS,
+    DATA_DIR_ENV,
+    DATASETS,
+    DEFAULT_DATA_DIR,
+    PARQUET_SUFFIXES,
+    DatasetNotAvailableError,
+    DatasetSpec,
+    default_data_dir,
+    resolve_dataset_path,
+    spec_for,
+)
+from megatron_dynamo.data.rows import (  # noqa: F401 -- from_verl_row, is_verl_row, verl_user_text re-exported
+    from_verl_row,
+    is_verl_row,
+    jsonl_rows,
+    parquet_rows,
+    validate_row,
+    verl_user_text,
+)
+
 logger = logging.getLogger(__name__)
 
-DATA_DIR_ENV = "MEGATRON_DYNAMO_DATA_DIR"
-#: The data directory when none is given and $MEGATRON_DYNAMO_DATA_DIR is unset (relative to the working directory):
-#: where `dynamo data prepare` writes, `dynamo data list` looks and named datasets are found.
-DEFAULT_DATA_DIR = "data"
 _MAX_LOGGED_SKIPS = 20
-_KNOWN_FIELDS = ("id", "problem", "answer", "answer_candidates", "data_source")
-#: File suffixes read as parquet (everything else is read as JSON lines).
-PARQUET_SUFFIXES = (".parquet",)
-_VERL_FIELDS = ("prompt", "reward_model", "data_source", "extra_info")
 
 
 @dataclass(frozen=True)
@@ -74,44 +86,6 @@ class MathExample:
         if include_candidates:
             forms += [c for c in self.answer_candidates if c not in forms]
         return forms
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """A named dataset: its public hub id and the local JSONL file name the product looks for."""
-
-    name: str
-    hub_id: str
-    filename: str
-    role: str
-    hub_split: str = "train"
-    hub_config: str | None = None
-
-
-#: Public names -> hub ids and local file names. Hub schemas differ from the JSONL shape above, so a download
-#: has to be converted once (id, problem, answer, ...) before use: ``dynamo data prepare NAME`` (data/hub.py).
-DATASETS: dict[str, DatasetSpec] = {
-    spec.name: spec
-    for spec in (
-        DatasetSpec("dapo_math_17k", "BytedTsinghua-SIA/DAPO-Math-17k", "dapo_math_17k.jsonl", "train"),
-        DatasetSpec("math_train", "DigitalLearningGmbH/MATH-lighteval", "math_train.jsonl", "train"),
-        DatasetSpec("gsm8k_train", "openai/gsm8k", "gsm8k_train.jsonl", "train", "train", "main"),
-        DatasetSpec("gsm8k_test", "openai/gsm8k", "gsm8k_test.jsonl", "eval", "test", "main"),
-        DatasetSpec("aime24", "HuggingFaceH4/aime_2024", "aime24.jsonl", "eval"),
-        DatasetSpec("aime25", "math-ai/aime25", "aime25.jsonl", "eval", "test"),
-        DatasetSpec("amc23", "math-ai/amc23", "amc23.jsonl", "eval", "test"),
-        DatasetSpec("math500", "HuggingFaceH4/MATH-500", "math500.jsonl", "eval", "test"),
-        DatasetSpec("minerva", "math-ai/minervamath", "minerva_math.jsonl", "eval", "test"),
-        DatasetSpec("olympiadbench", "math-ai/olympiadbench", "olympiadbench.jsonl", "eval", "test"),
-    )
-}
-
-#: The paper's evaluation suite, in table order.
-BENCHMARKS: tuple[str, ...] = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
-
-
-class DatasetNotAvailableError(FileNotFoundError):
-    """A dataset was named that is not present locally (nothing is downloaded at run time)."""
 
 
 @dataclass(frozen=True)
@@ -184,203 +158,6 @@ def generated_test_split(name: str) -> GeneratedTask | None:
                 None)
 
 
-def _spec_for(name: str) -> DatasetSpec | None:
-    if name in DATASETS:
-        return DATASETS[name]
-    # A hub id names its dataset too, when it names only one (openai/gsm8k holds both gsm8k splits).
-    matches = [spec for spec in DATASETS.values() if spec.hub_id.lower() == name.lower()]
-    if len(matches) > 1:
-        raise ValueError(f"{name!r} names several datasets ({', '.join(s.name for s in matches)}); use one of "
-                         f"these names")
-    return matches[0] if matches else None
-
-
-def default_data_dir() -> Path:
-    """The one default data directory of ``data prepare``, ``data list`` and the loaders:
-    ``$MEGATRON_DYNAMO_DATA_DIR``, else ``data/`` in the working directory."""
-    return Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
-
-
-def resolve_dataset_path(path_or_name: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> Path:
-    """Local JSONL or parquet file for a file path or a dataset name.
-
-    A path to an existing file is used as is. A name (``"aime24"``, or a hub id such as
-    ``"BytedTsinghua-SIA/DAPO-Math-17k"``) is looked up in ``data_dir``, else in :func:`default_data_dir`
-    (``$MEGATRON_DYNAMO_DATA_DIR``, else ``data/``, where ``dynamo data prepare`` writes), under the registry's file name (an unregistered name under ``<name>.jsonl``), else under the same stem with
-    ``.parquet``. Raises :class:`DatasetNotAvailableError` naming the hub id and how to provide the data.
-    """
-    text = os.fspath(path_or_name)
-    candidate = Path(text).expanduser()
-    if candidate.is_file():
-        return candidate
-    spec = _spec_for(text)
-    looks_like_path = spec is None and (text.endswith((".jsonl", ".json", *PARQUET_SUFFIXES)) or os.sep in text
-                                        or text.startswith("."))
-    if looks_like_path:
-        raise DatasetNotAvailableError(f"dataset file not found: {text}")
-
-    directory = data_dir if data_dir is not None else default_data_dir()
-    filename = spec.filename if spec is not None else f"{text}.jsonl"
-    for name in (filename, *(Path(filename).stem + suffix for suffix in PARQUET_SUFFIXES)):
-        path = Path(directory).expanduser() / name
-        if path.is_file():
-            return path
-    where = f"{filename!r} is not in {os.fspath(directory)!r}" + ("" if data_dir is not None else (
-        f" (the default data directory: ${DATA_DIR_ENV}, else {DEFAULT_DATA_DIR}/)"))
-    if spec is None:
-        known = ", ".join(sorted(DATASETS))
-        raise DatasetNotAvailableError(
-            f"unknown dataset {text!r} and no such file ({where}). Known names: {known}; "
-            f"or pass the path of a JSONL file (one object per line with id, problem, answer).")
-    hub = f"{spec.hub_id} (split {spec.hub_split!r}" + (f", config {spec.hub_config!r})" if spec.hub_config else ")")
-    raise DatasetNotAvailableError(
-        f"dataset {spec.name!r} is not available locally: {where}. It is the public hub dataset {hub}; "
-        f"nothing is downloaded at run time. Run `dynamo data prepare {spec.name} --out DIR` (it fetches and "
-        f"converts it; --from FILE converts a downloaded copy) to write DIR/{spec.filename} (default DIR: the "
-        f"default data directory, found with no flag; another DIR: give it as data_dir or ${DATA_DIR_ENV}), or pass the path of a JSONL / parquet file (rows with id, problem, answer, "
-        f"or verl's layout).")
-
-
-def is_verl_row(row: Any) -> bool:
-    """A row in verl's RL layout (``prompt`` + ``reward_model``) rather than the flat one (``problem``)."""
-    return isinstance(row, dict) and "problem" not in row and "prompt" in row and "reward_model" in row
-
-
-def verl_user_text(prompt: Any) -> str | None:
-    """The text of a verl ``prompt``: the content of its last ``user`` message (a plain string is itself)."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, dict) and isinstance(prompt.get("role"), list) and isinstance(prompt.get("content"), list):
-        # datasets' Sequence-of-struct columns come as a dict of lists
-        prompt = [{"role": r, "content": c} for r, c in zip(prompt["role"], prompt["content"])]
-    if isinstance(prompt, (list, tuple)):
-        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        if users and isinstance(users[-1].get("content"), str):
-            return users[-1]["content"]
-    return None
-
-
-def _plain_id(value: Any) -> Any:
-    """An id as JSON gives it: integral floats (pandas' int columns with nulls) become ints."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def from_verl_row(row: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """A verl RL row in the flat shape: ``(fields, "")`` or ``(None, why it cannot be read)``.
-
-    Kept: the problem is the content of the *last user message* of ``prompt``, whole: an instruction the
-    dataset put around the problem (DAPO-Math-17k's "Solve the following math problem step by step. ...
-    Remember to put your answer on its own line after "Answer:".") stays in the text, system messages and
-    earlier turns are dropped, and the run's prompt template (``data.template``) then wraps that text like any
-    problem, its own instruction included (``dynamo data prepare dapo_math_17k`` strips DAPO's wrapper instead).
-    The answer is
-    ``reward_model.ground_truth`` (a list: the first entry, the others become ``answer_candidates``), the id
-    ``extra_info.index`` when present (else the row number), ``data_source`` as is; ``ability`` and the rest of
-    ``extra_info`` go to ``extras``.
-    """
-    problem = verl_user_text(row.get("prompt"))
-    if problem is None:
-        return None, "'prompt' has no user message with text content"
-    reward = row.get("reward_model")
-    truth = reward.get("ground_truth") if isinstance(reward, dict) else None
-    candidates: list[Any] = []
-    if isinstance(truth, (list, tuple)):
-        forms = [t for t in truth if t is not None]
-        truth, candidates = (forms[0], forms[1:]) if forms else (None, [])
-    if truth is None:
-        return None, "missing 'reward_model.ground_truth'"
-    extra_info = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
-    fields: dict[str, Any] = {
-        "id": _plain_id(extra_info.get("index")),
-        "problem": problem,
-        "answer": truth,
-        "answer_candidates": [str(c) if isinstance(c, (int, float)) else c for c in candidates],
-        "data_source": row.get("data_source") or "",
-    }
-    fields.update({k: v for k, v in row.items() if k not in _VERL_FIELDS and k not in fields})
-    rest = {k: v for k, v in extra_info.items() if k != "index"}
-    if rest:
-        fields["extra_info"] = rest
-    return fields, ""
-
-
-def _validate_row(row: Any) -> tuple[dict[str, Any] | None, str]:
-    """Return ``(cleaned fields, "")`` or ``(None, why the row is malformed)``; verl rows are read as such."""
-    if not isinstance(row, dict):
-        return None, f"expected a JSON object, got {type(row).__name__}"
-    if is_verl_row(row):
-        row, why = from_verl_row(row)
-        if row is None:
-            return None, why
-    problem = row.get("problem")
-    if not isinstance(problem, str):
-        return None, "missing 'problem'" if problem is None else f"'problem' is {type(problem).__name__}, not a string"
-    if not problem.strip():
-        return None, "empty 'problem'"
-    answer = row.get("answer")
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-        answer = str(answer)  # a JSON number answer is unambiguous
-    if not isinstance(answer, str):
-        return None, "missing 'answer'" if answer is None else f"'answer' is {type(answer).__name__}, not a string"
-    if not answer.strip():
-        return None, "empty 'answer'"
-    row_id = row.get("id")
-    if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, (str, int))):
-        return None, f"'id' is {type(row_id).__name__}, not a string or integer"
-    if isinstance(row_id, str) and not row_id.strip():
-        return None, "empty 'id'"
-    candidates = row.get("answer_candidates", [])
-    if candidates is None:
-        candidates = []
-    if not isinstance(candidates, list) or not all(isinstance(c, str) for c in candidates):
-        return None, "'answer_candidates' is not a list of strings"
-    data_source = row.get("data_source", "")
-    if data_source is not None and not isinstance(data_source, str):
-        return None, f"'data_source' is {type(data_source).__name__}, not a string"
-    return {
-        "id": row_id,
-        "problem": problem,
-        "answer": answer.strip(),
-        "answer_candidates": tuple(c.strip() for c in candidates if c.strip()),
-        "data_source": data_source or "",
-        "extras": {k: v for k, v in row.items() if k not in _KNOWN_FIELDS},
-    }, ""
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str]]:
-    """``(line number, parsed row, "")`` or ``(line number, None, why it cannot be parsed)``; blank lines skipped."""
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield line_number, None, f"invalid UTF-8 ({exc.reason})"
-                continue
-            if not text.strip():
-                continue  # blank lines (e.g. a trailing newline) are not rows
-            try:
-                yield line_number, json.loads(text), ""
-            except json.JSONDecodeError as exc:
-                yield line_number, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
-
-
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str]]:
-    """``(row number from 1, row as a dict, "")`` for every row of a parquet file, read in batches."""
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
-        raise ValueError(f"{path}: not a readable parquet file ({exc})") from None
-    number = 0
-    for batch in parquet.iter_batches(batch_size=4096):
-        for row in batch.to_pylist():
-            number += 1
-            yield number, row, ""
-
-
 def load_math_file(path_or_name: str | os.PathLike, data_dir: str | os.PathLike | None = None, *,
                    source_name: str | None = None,
                    on_duplicate_id: Literal["error", "suffix"] = "error") -> MathDataset:
@@ -411,11 +188,11 @@ def load_math_file(path_or_name: str | os.PathLike, data_dir: str | os.PathLike 
         if len(skipped) <= _MAX_LOGGED_SKIPS:
             logger.warning("%s:%d: skipped malformed row: %s", path, line_number, reason)
 
-    for line_number, row, error in (_parquet_rows(path) if parquet else _jsonl_rows(path)):
+    for line_number, row, error in (parquet_rows(path) if parquet else jsonl_rows(path)):
         if error:
             skip(line_number, error)
             continue
-        fields, why = _validate_row(row)
+        fields, why = validate_row(row)
         if fields is None:
             skip(line_number, why)
             continue
