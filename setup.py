@@ -14,6 +14,7 @@ CORE = [
     "safetensors",
     "tokenizers",
     "math-verify>=0.9,<0.10",
+    "pebble>=5.2,<6",  # the reward workers: a process pool that kills and replaces one worker on a per-task timeout
     "numpy",
     "pyyaml",
     "tqdm",

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -225,7 +226,7 @@ def test_hard_timeout_kills_and_replaces_the_worker(caplog):
     # math-verify's own limit (5 s) is above the parent's hard limit (1 s): the parent must kill the worker.
     with MathRewardScorer(num_workers=1, timeout_seconds=5, hard_timeout_seconds=1.0) as single:
         start = time.perf_counter()
-        with caplog.at_level(logging.WARNING, logger="megatron_dynamo.reward.math_reward"):
+        with caplog.at_level(logging.WARNING, logger="megatron_dynamo.reward.pool"):
             result = single.score([POWER_TOWER, "\\boxed{3}", "\\boxed{4}"], ["1", "3", "5"])
         elapsed = time.perf_counter() - start
         assert result.reasons == ["timeout", "correct", "wrong"]
@@ -235,12 +236,32 @@ def test_hard_timeout_kills_and_replaces_the_worker(caplog):
         assert single.score(["\\boxed{8}"], ["8"]).reasons == ["correct"]
 
 
+def _worker_pids() -> set[int]:
+    """The reward workers of this process (spawned multiprocessing children; the resource tracker is not one)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children()
+            if any("spawn_main" in part for part in p.cmdline())}
+
+
 def test_a_worker_killed_from_outside_is_replaced(scorer):
-    pids = [w.process.pid for w in scorer._pool._workers]
-    os.kill(pids[0], signal.SIGKILL)
+    # an idle worker killed from outside (pebble's own pool breaks as a whole then: rebuilt, nothing lost), then a
+    # busy one (its item is retried on a fresh worker)
+    scorer.score(["\\boxed{1}"], ["1"])
+    pids = _worker_pids()
+    assert len(pids) == 2
+    os.kill(min(pids), signal.SIGKILL)
+    time.sleep(0.5)
     result = scorer.score([f"\\boxed{{{i}}}" for i in range(20)], [str(i) for i in range(20)])
     assert result.rewards.tolist() == [1.0] * 20
-    assert pids[0] not in [w.process.pid for w in scorer._pool._workers]
+    assert min(pids) not in _worker_pids() and len(_worker_pids()) == 2
+    busy = sorted(_worker_pids())
+    killer = threading.Timer(0.3, os.kill, (busy[0], signal.SIGKILL))
+    killer.start()
+    result = scorer.score([POWER_TOWER, POWER_TOWER, "\\boxed{3}"], ["1", "1", "3"])
+    killer.join()
+    assert result.reasons == ["timeout", "timeout", "correct"]
+    assert busy[0] not in _worker_pids() and len(_worker_pids()) == 2
 
 
 def test_inline_mode_and_score_one():

@@ -6,16 +6,8 @@ math-verify in worker processes with hard per-item time limits, and never raises
 and a counted reason (see ``REWARD_REASONS``).
 """
 
-from megatron_dynamo.reward.math_reward import (
-    REWARD_REASONS,
-    MathRewardScorer,
-    Reference,
-    RewardStats,
-    ScoredBatch,
-    answer_to_latex,
-    extract_answer,
-    reference_to_latex,
-)
+from megatron_dynamo.reward.answers import Reference, answer_to_latex, extract_answer, reference_to_latex
+from megatron_dynamo.reward.math_reward import REWARD_REASONS, MathRewardScorer, RewardStats, ScoredBatch
 
 __all__ = [
     "REWARD_REASONS",
