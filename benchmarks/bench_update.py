@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import subprocess
 import sys
@@ -57,50 +56,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MiB = 1 << 20
 VARIANTS = ("unfused", "fused", "padded", "dynamic", "packed")
 QWEN_VOCAB = 151936
 
 
 # The peak-memory window of the token-stats benchmark (VmHWM reset through /proc/self/clear_refs; its docstring).
 from bench_token_stats import read_peak, start_peak_window  # noqa: E402
+from bench_update_batch import dra_like_batch  # noqa: E402
+from bench_update_table import MiB, format_table, table_rows  # noqa: E402
 from megatron_dynamo.algorithms.config import SCOPE_SOURCES  # noqa: E402
-
-
-# ------------------------------------------------------------------------------------------------ the batch
-def dra_like_batch(tokens: int, responses: int, prompt_tokens: tuple[int, int], max_response: int, vocab: int,
-                   seed: int = 0):
-    """(prompts, responses): ``prompts`` a list of (prompt id, prompt token ids); ``responses`` a list of (prompt
-    id, response token ids, advantage), 4..12 per prompt, at least ``responses`` of them, about ``tokens`` response
-    tokens in all (see the module docstring). Deterministic in ``seed``. Token ids avoid 0 (the pad/EOS id)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    counts, total = [], 0
-    while total < max(1, responses, -(-tokens // max_response)):
-        counts.append(4 + (7 * len(counts)) % 9)  # 4..12, uneven like the allocator's counts
-        total += counts[-1]
-    n = sum(counts)
-    raw = rng.lognormal(0.0, 0.9, n)
-    lengths = np.ones(n)
-    scale = tokens / raw.sum()
-    for _ in range(50):  # scale so that the capped lengths add up to ``tokens`` (or all are capped)
-        lengths = np.clip(np.round(raw * scale), 8, max_response)
-        if abs(lengths.sum() - tokens) <= 1 or lengths.min() >= max_response:
-            break
-        scale *= tokens / max(1.0, lengths.sum())
-    lengths = [int(x) for x in lengths]
-    prompts, responses, k = [], [], 0
-    for p, count in enumerate(counts):
-        pid = f"p{p}"
-        plen = int(rng.integers(prompt_tokens[0], prompt_tokens[1] + 1))
-        prompts.append((pid, tuple(int(t) for t in rng.integers(1, vocab, plen))))
-        adv = rng.standard_normal(count)
-        adv = (adv - adv.mean()) / (adv.std() + 1e-6)
-        for j in range(count):
-            responses.append((pid, tuple(int(t) for t in rng.integers(1, vocab, lengths[k])), float(adv[j])))
-            k += 1
-    return prompts, responses
 
 
 # ------------------------------------------------------------------------------------------------ variants
@@ -258,58 +222,6 @@ def _run_subprocess(cfg: dict, timeout: float | None) -> dict:
         return {"error": "OOM" if oom else (tail[-1][:300] if tail else f"exit {proc.returncode}"),
                 "tail": tail if not oom else tail[-3:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-# ------------------------------------------------------------------------------------------------ report
-def table_rows(results: dict[str, dict], variants: list[str], same_as: dict[str, str]) -> list[dict]:
-    """One row per variant: time, tokens/s and x padded, peak extra memory and x unfused, layout."""
-    def res(v):
-        return results.get(same_as.get(v, v), {})
-
-    base_speed = res("padded").get("seconds") if "padded" in variants else None
-    base_mem = res("unfused").get("peak_extra") if "unfused" in variants else None
-    rows = []
-    for v in variants:
-        r = res(v)
-        row = {"variant": v + (f" (= {same_as[v]})" if v in same_as else "")}
-        if "error" in r:
-            row["result"] = r["error"]
-            rows.append(row)
-            continue
-        speed = r["real_tokens"] / r["seconds"]
-        row.update({
-            "micro-batches": r["micro_batches"], "computed tokens": r["computed_tokens"],
-            "padding %": 100.0 * (1 - r["real_tokens"] / max(1, r["computed_tokens"])),
-            "update s": r["seconds"], "tokens/s": speed,
-            "x padded": (base_speed / r["seconds"]) if base_speed and not math.isnan(base_speed) else float("nan"),
-            "peak extra MiB": r["peak_extra"] / MiB,
-            "x unfused": (r["peak_extra"] / base_mem) if base_mem else float("nan"),
-        })
-        if "peak_reserved" in r:
-            row["peak alloc GiB"] = r["peak_abs"] / 2**30
-        if r.get("inexact"):
-            row["peak extra MiB"] = f"{row['peak extra MiB']:.0f}*"
-        rows.append(row)
-    return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    cols: list[str] = []
-    for row in rows:
-        cols += [c for c in row if c not in cols]
-
-    def fmt(v):
-        if isinstance(v, float):
-            return "nan" if math.isnan(v) else (f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 10
-                                                else f"{v:.1f}")
-        return str(v)
-
-    cells = [[fmt(row.get(c, "")) for c in cols] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths)))]
-    lines.append("-" * len(lines[0]))
-    lines += ["  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths))) for r in cells]
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
