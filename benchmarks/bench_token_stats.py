@@ -40,8 +40,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dynamo.parallel.token_stats import (DEFAULT_CHUNK_ELEMENTS, _resolve_chunk,  # noqa: E402
-                                                  fused_vocab_parallel_token_stats, vocab_parallel_token_stats)
+from megatron_dynamo.parallel.token_chunks import DEFAULT_CHUNK_ELEMENTS, resolve_chunk  # noqa: E402
+from megatron_dynamo.parallel.token_stats import (fused_vocab_parallel_token_stats,  # noqa: E402
+                                                  vocab_parallel_token_stats)
 
 MiB = 1 << 20
 
@@ -248,7 +249,7 @@ def main() -> None:
                 rows[variant] = r = _run_subprocess(cfg)
                 p = rows["plain"]
                 work, pwork = r["extra"] - r["grad_bytes"], p["extra"] - p["grad_bytes"]
-                chunk = "-" if variant == "plain" else str(_resolve_chunk(args.chunk_size, tokens, vocab))
+                chunk = "-" if variant == "plain" else str(resolve_chunk(args.chunk_size, tokens, vocab))
                 print(f"{vocab:>7} {tokens:>6} {variant:>8} {chunk:>6} {r['time']:>8.3f} {r['time'] / p['time']:>7.2f} "
                       f"{r['extra'] / MiB:>13.0f}{'*' if r['inexact'] else ' '} "
                       f"{r['extra'] / max(p['extra'], 1):>7.2f} "

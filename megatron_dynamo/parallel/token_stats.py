@@ -52,12 +52,23 @@ one finite logit.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
+
+from megatron_dynamo.parallel.token_chunks import (
+    DEFAULT_CHUNK_ELEMENTS,
+    all_reduce,
+    check_common,
+    chunk_grad_logits,
+    chunk_stats,
+    dot_rows,
+    local_targets,
+    resolve_chunk,
+    tp_info,
+)
 
 __all__ = [
     "TokenStats",
@@ -65,10 +76,6 @@ __all__ = [
     "fused_vocab_parallel_token_stats",
     "DEFAULT_CHUNK_ELEMENTS",
 ]
-
-# Automatic chunk size: chunk * (V/tp) ~= 2^25 elements, i.e. 128 MiB per fp32 scratch buffer (two are live in the
-# forward). Big enough for efficient kernels/GEMMs, small enough to be negligible next to the model.
-DEFAULT_CHUNK_ELEMENTS = 1 << 25
 
 _F32 = torch.float32
 
@@ -96,127 +103,6 @@ class TokenStats(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# helpers
-
-
-def _tp_info(group) -> tuple[int, int]:
-    """(rank in the TP group, TP size); group=None means no tensor parallelism."""
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _all_reduce(t: torch.Tensor, op, group) -> None:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-
-
-def _resolve_chunk(chunk_size: Optional[int], n_tokens: int, vocab_local: int) -> int:
-    if chunk_size is None:
-        chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, vocab_local))
-        if chunk_size >= 64:
-            chunk_size -= chunk_size % 64
-    chunk_size = int(chunk_size)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return max(1, min(chunk_size, n_tokens))
-
-
-def _dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum_j a[i, j] * b[i, j] per row, as a batched [1, V] x [V, 1] product: no [rows, V] temporary."""
-    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).view(a.shape[0])
-
-
-def _local_targets(target: torch.Tensor, vocab_start: int, vocab_local: int):
-    """Shard-local target index (clamped into range so that gather/scatter are always legal) and ownership mask."""
-    local = target - vocab_start
-    owned = (local >= 0) & (local < vocab_local)
-    return local.clamp(0, vocab_local - 1).unsqueeze(-1), owned
-
-
-def _chunk_stats(x: torch.Tensor, e: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, temperature: float,
-                 group):
-    """Statistics of one chunk. ``x`` is fp32 scratch [c, V/tp] holding the raw logits (not yet divided by T); it is
-    overwritten. ``e`` is a second fp32 scratch buffer of the same shape (contents ignored, overwritten).
-
-    Returns (m, Z, logp, H, sum_pi2_lambda), each [c] fp32, m being the max of the *raw* logits (max(x / T) = m / T
-    since T > 0: subtracting before dividing keeps d = (x - m) / T accurate relative to d, not to x / T).
-    Exactly one MAX and one SUM all-reduce.
-    """
-    # 1) global max over the whole vocabulary (all shards). Rows whose logits are all -inf keep m finite (0) so
-    #    that x - m is -inf (-> exp 0), never nan; such a row has no distribution anyway.
-    local_max, top_idx = x.max(dim=-1)
-    m = local_max.clone()
-    _all_reduce(m, dist.ReduceOp.MAX, group)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    is_top = local_max == m  # this shard holds the global max of the row (at top_idx, where d == 0 exactly)
-
-    # 2) d = (x - m) / T <= 0, in place. Clamp -inf (masked entries) to the most negative finite float: exp gives 0
-    #    and 0 * (finite) = 0, whereas 0 * (-inf) would be nan. Finite d (even -2e4 for +-1e4 logits) needs no guard.
-    d = x.sub_(m.unsqueeze(-1))
-    if temperature != 1.0:
-        d.div_(temperature)
-    d.clamp_(min=torch.finfo(_F32).min)
-    d_a = d.gather(-1, local_t).squeeze(-1) * owned  # target's d on its owning shard, 0 elsewhere
-
-    torch.exp(d, out=e)  # e^{d} in [0, 1]
-    # Take the global max's own term (exactly e^0 = 1) out of the sums and count it separately: Z = n_top + R with
-    # R = sum of the other terms. For peaked distributions Z ~= 1 and an fp32 Z would carry an absolute error of
-    # ~1e-7, i.e. a large *relative* error on log Z ~= log pi_a ~= 0 and on small H; log Z = log n + log1p(R / n)
-    # keeps them accurate. The top term contributes 0 to S1 and S3 (d = 0) and n_top to S2.
-    top_val = e.gather(-1, top_idx.unsqueeze(-1))
-    e.scatter_(-1, top_idx.unsqueeze(-1), top_val * (~is_top).unsqueeze(-1))
-    r = e.sum(dim=-1)                    # R  = Z - n_top
-    s2 = _dot_rows(e, e)                 # S2 - n_top
-    ed = d.mul_(e)                       # e^{d} d (overwrites d, no longer needed)
-    s1 = ed.sum(dim=-1)                  # S1 = sum e^{d} d
-    s3 = _dot_rows(ed, e)                # S3 = sum e^{2d} d
-
-    # 3) one SUM all-reduce of the stacked partials
-    partial = torch.stack([r, is_top.to(_F32), s1, s2, s3, d_a], dim=-1)  # [c, 6]
-    _all_reduce(partial, dist.ReduceOp.SUM, group)
-    r, n_top, s1, s2, s3, d_a = partial.unbind(-1)  # n_top >= 1 (several only for ties across shards)
-
-    z_sum = n_top + r
-    s2 = s2 + n_top
-    log_z = torch.log(n_top) + torch.log1p(r / n_top)
-    s1_over_z = s1 / z_sum
-    logp = d_a - log_z
-    entropy = log_z - s1_over_z
-    sum_pi2_lambda = (s3 - s2 * s1_over_z) / (z_sum * z_sum)
-    return m, z_sum, logp, entropy, sum_pi2_lambda
-
-
-def _chunk_grad_logits(x: torch.Tensor, m: torch.Tensor, z_sum: torch.Tensor, logp: torch.Tensor,
-                       grad: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
-    """d(sum_t g_t log pi_{a_t}) / d logits for one chunk, fp32, computed in place in ``x`` (raw logits, fp32 scratch).
-
-    pi_j = e^{(x_j - m) / T} / Z (recomputed from the saved m and Z, no saved softmax);
-    d log pi_a / d logits_j = (1[j == a] - pi_j) / T. At j = a it is written as -expm1(log pi_a) / T from the saved
-    log pi_a, which stays accurate when pi_a ~= 1 (1 - pi_a would cancel).
-    """
-    coef = grad.to(_F32) / temperature  # g_t / T
-    p = x.sub_(m.unsqueeze(-1))
-    if temperature != 1.0:
-        p.div_(temperature)
-    p.exp_().div_(z_sum.unsqueeze(-1))
-    g = p.mul_(-coef.unsqueeze(-1))  # -pi_j g / T
-    at_target = torch.where(owned, -coef * torch.expm1(logp), g.gather(-1, local_t).squeeze(-1))
-    g.scatter_(-1, local_t, at_target.unsqueeze(-1))  # (1 - pi_a) g / T at the target on its owning shard
-    return g
-
-
-def _check_common(target: torch.Tensor, n_tokens: int, temperature: float) -> None:
-    if target.dim() != 1 or target.shape[0] != n_tokens:
-        raise ValueError(f"target must have shape [{n_tokens}], got {tuple(target.shape)}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must be an integer tensor, got {target.dtype}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # logits in
 
 
@@ -224,9 +110,9 @@ class _VocabParallelTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature, group, chunk_size):
         n, vocab_local = logits.shape
-        rank, _ = _tp_info(group)
+        rank, _ = tp_info(group)
         vocab_start = rank * vocab_local
-        chunk = _resolve_chunk(chunk_size, n, vocab_local)
+        chunk = resolve_chunk(chunk_size, n, vocab_local)
 
         m, z_sum, logp, entropy, sum_pi2_lambda = torch.empty(5, n, dtype=_F32, device=logits.device)
         # two fp32 scratch buffers, reused by every chunk (on CPU a fresh large allocation is a fresh mmap, whose
@@ -236,9 +122,9 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         for s in range(0, n, chunk):
             sl = slice(s, min(s + chunk, n))
             c = sl.stop - sl.start
-            local_t, owned = _local_targets(target[sl], vocab_start, vocab_local)
+            local_t, owned = local_targets(target[sl], vocab_start, vocab_local)
             x = x_buf[:c].copy_(logits[sl])  # fp32 copy: the caller's logits are never written
-            m[sl], z_sum[sl], logp[sl], entropy[sl], sum_pi2_lambda[sl] = _chunk_stats(
+            m[sl], z_sum[sl], logp[sl], entropy[sl], sum_pi2_lambda[sl] = chunk_stats(
                 x, e_buf[:c], local_t, owned, temperature, group)
         del x_buf, e_buf
 
@@ -264,10 +150,10 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                                                                device=logits.device)
         for s in range(0, n, ctx.chunk):
             sl = slice(s, min(s + ctx.chunk, n))
-            local_t, owned = _local_targets(target[sl], ctx.vocab_start, vocab_local)
+            local_t, owned = local_targets(target[sl], ctx.vocab_start, vocab_local)
             x = grad_logits[sl] if x_buf is None else x_buf[:sl.stop - sl.start]
             x.copy_(logits[sl])
-            g = _chunk_grad_logits(x, m[sl], z_sum[sl], logp[sl], grad_logp[sl], local_t, owned, ctx.temperature)
+            g = chunk_grad_logits(x, m[sl], z_sum[sl], logp[sl], grad_logp[sl], local_t, owned, ctx.temperature)
             if x_buf is not None:
                 grad_logits[sl].copy_(g)  # cast to the input dtype
         # No collective: the logits shard's gradient only involves this shard's pi and the (saved) global m, Z.
@@ -301,7 +187,7 @@ def vocab_parallel_token_stats(logits: torch.Tensor, target: torch.Tensor, tempe
         raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)}")
     logits2 = logits.reshape(-1, logits.shape[-1])
     target1 = target.reshape(-1)
-    _check_common(target1, logits2.shape[0], float(temperature))
+    check_common(target1, logits2.shape[0], float(temperature))
     out = _VocabParallelTokenStats.apply(logits2, target1, float(temperature), group, chunk_size)
     return TokenStats(*(o.view(lead) for o in out))
 
@@ -335,18 +221,18 @@ class _FusedVocabParallelTokenStats(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, temperature, group, chunk_size, allreduce_grad_hidden):
         n = hidden.shape[0]
         vocab_local = weight.shape[0]
-        rank, _ = _tp_info(group)
+        rank, _ = tp_info(group)
         vocab_start = rank * vocab_local
-        chunk = _resolve_chunk(chunk_size, n, vocab_local)
+        chunk = resolve_chunk(chunk_size, n, vocab_local)
 
         m, z_sum, logp, entropy, sum_pi2_lambda = torch.empty(5, n, dtype=_F32, device=hidden.device)
         chunk_logits = _ChunkLogits(chunk, weight)
         e_buf = torch.empty(chunk, vocab_local, dtype=_F32, device=hidden.device)
         for s in range(0, n, chunk):
             sl = slice(s, min(s + chunk, n))
-            local_t, owned = _local_targets(target[sl], vocab_start, vocab_local)
+            local_t, owned = local_targets(target[sl], vocab_start, vocab_local)
             x = chunk_logits(hidden[sl])
-            m[sl], z_sum[sl], logp[sl], entropy[sl], sum_pi2_lambda[sl] = _chunk_stats(
+            m[sl], z_sum[sl], logp[sl], entropy[sl], sum_pi2_lambda[sl] = chunk_stats(
                 x, e_buf[:x.shape[0]], local_t, owned, temperature, group)
         del chunk_logits, e_buf
 
@@ -383,10 +269,10 @@ class _FusedVocabParallelTokenStats(torch.autograd.Function):
         chunk_logits = _ChunkLogits(ctx.chunk, weight)
         for s in range(0, n, ctx.chunk):
             sl = slice(s, min(s + ctx.chunk, n))
-            local_t, owned = _local_targets(target[sl], ctx.vocab_start, vocab_local)
+            local_t, owned = local_targets(target[sl], ctx.vocab_start, vocab_local)
             h = hidden[sl]
             x = chunk_logits(h)  # recompute this chunk's logits
-            g = _chunk_grad_logits(x, m[sl], z_sum[sl], logp[sl], grad_logp[sl], local_t, owned, ctx.temperature)
+            g = chunk_grad_logits(x, m[sl], z_sum[sl], logp[sl], grad_logp[sl], local_t, owned, ctx.temperature)
             if low:
                 # as in the unfused path, the logits gradient is in the input dtype before the output layer's GEMMs
                 # (tensor cores on GPU); the products are accumulated in fp32.
@@ -450,7 +336,7 @@ def fused_vocab_parallel_token_stats(hidden: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"target shape {tuple(target.shape)} does not match hidden {tuple(hidden.shape)}")
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     target1 = target.reshape(-1)
-    _check_common(target1, hidden2.shape[0], float(temperature))
+    check_common(target1, hidden2.shape[0], float(temperature))
     out = _FusedVocabParallelTokenStats.apply(hidden2, weight, target1, float(temperature), group, chunk_size,
                                               bool(allreduce_grad_hidden))
     return TokenStats(*(o.view(lead) for o in out))
