@@ -34,7 +34,6 @@ def _worker(rank, world_size, parallel, cases):
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn
     from megatron_dynamo.trainer.step import StepRunner
-    from megatron_dynamo.trainer.step_metrics import global_denominator
     from megatron_dynamo.trainer.token_selection import scatter_selections
 
     from hf_reference import hf_state_dict
@@ -63,8 +62,8 @@ def _worker(rank, world_size, parallel, cases):
                 mb["old_logp"] = torch.zeros_like(mb["loss_mask"])
         pre_update = {i: {"logp": old[i], "entropy": v["entropy"]} for i, v in stats.items()}
         scatter_selections(run.dynamo.loss, [(samples, micro)], pre_update, last, dp_group, seed=5, step=2)
-        loss_fn = dynamo_loss_fn(run.dynamo.modulation, run.dynamo.loss, None,
-                                 global_denominator(samples, run.dynamo.loss.loss_agg_mode), run.rollout.temperature)
+        tokens = float(sum(s.num_response_tokens for s in samples))  # token-mean: the mini-batch's tokens
+        loss_fn = dynamo_loss_fn(run.dynamo.modulation, run.dynamo.loss, None, tokens, run.rollout.temperature)
         results = actor.forward_backward(micro, loss_fn, output=runner.model_output)
         selection = {}
         if last and "selection" in micro[0]:
