@@ -201,7 +201,8 @@ def _update_worker(rank, world_size, cases):
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs
-    from megatron_dynamo.trainer.step import StepRunner, _global_denominator
+    from megatron_dynamo.trainer.step import StepRunner
+    from megatron_dynamo.trainer.step_metrics import global_denominator
 
     from hf_reference import hf_state_dict
 
@@ -225,7 +226,7 @@ def _update_worker(rank, world_size, cases):
         modulation, loss_cfg = run.dynamo.modulation, run.dynamo.loss
         group = ps.get_data_parallel_group() if world_size > 1 else None
         scope = modulation_scope([scope_inputs(mb, stats, loss_cfg) for mb in micro], modulation, group=group)
-        loss_fn = dynamo_loss_fn(modulation, loss_cfg, scope, _global_denominator(samples, loss_cfg.loss_agg_mode),
+        loss_fn = dynamo_loss_fn(modulation, loss_cfg, scope, global_denominator(samples, loss_cfg.loss_agg_mode),
                                  run.rollout.temperature)
         results = actor.forward_backward(micro, loss_fn, output=runner.model_output)
         out[name, num_samples] = {"micro": len(micro), "packed": ["cu_seqlens" in mb for mb in micro],

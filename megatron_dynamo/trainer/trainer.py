@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_dynamo.algorithms.allocation import PromptHistory
 from megatron_dynamo.trainer.config import RunConfig
+from megatron_dynamo.trainer.sft import set_learning_rate
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,6 @@ def _hf_weight_source(path: str | None):
     if is_model_checkpoint(path):
         return None
     return HFCheckpointReader(path).get
-
-
-def set_learning_rate(actor, lr: float) -> None:
-    for group in actor.optimizer.param_groups:
-        group["lr"] = lr
 
 
 class Trainer:
@@ -219,52 +215,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
     def sft_warmup(self) -> list[float]:
-        """Supervised steps on (prompt, reference answer + EOS): a model from scratch must solve some prompts
-        before RL has any signal (the synthetic CPU default). Returns the losses."""
-        from megatron_dynamo.data.synthetic import sft_pairs
-        from megatron_dynamo.trainer.batch import Sample
+        """Supervised steps before RL (``trainer/sft.py``); returns the losses."""
+        from megatron_dynamo.trainer.sft import sft_warmup
 
-        run = self.run
-        if run.trainer.sft_warmup_steps == 0:
-            return []
-        examples = self.examples
-        if run.data.sft_problems:  # the warm-up's own problems of the same task (config: generated tasks only)
-            from megatron_dynamo.data.dataset import GENERATED_TASKS
-
-            task = GENERATED_TASKS[run.data.train]
-            examples = (task.sft or task.make)(run.data.sft_problems, run.data.seed + 1)
-        pairs = sft_pairs(examples, template=run.data.template, answer_format="plain")
-        samples = []
-        for i, (prompt, answer) in enumerate(pairs):
-            p = tuple(self.tokenizer.encode(prompt, add_special_tokens=False))
-            a = tuple(self.tokenizer.encode(answer, add_special_tokens=False)) + (self.tokenizer.eos_token_id,)
-            samples.append(Sample(i, examples[i].id, p, a, reward=1.0, advantage=1.0))
-        set_learning_rate(self.actor, run.trainer.sft_lr)
-        generator = torch.Generator().manual_seed(run.trainer.seed)
-        batch = run.trainer.sft_batch_size
-        # A long warm-up (minutes) shows its progress every tenth; a short one only its final line.
-        report_every = run.trainer.sft_warmup_steps // 10 if run.trainer.sft_warmup_steps >= 200 else 0
-        losses = []
-        for step in range(run.trainer.sft_warmup_steps):
-            order = torch.randperm(len(samples), generator=generator)[:batch].tolist()
-            chosen = [samples[i] for i in order]
-            denominator = float(sum(s.num_response_tokens for s in chosen))
-            micro = self.runner.micro_batches_for(chosen)
-            results = self.actor.forward_backward(micro, _sft_loss_fn(denominator), output=self.runner.model_output)
-            self.actor.optimizer_step()
-            from megatron.core import parallel_state
-
-            own = results and parallel_state.get_tensor_model_parallel_rank() == 0
-            loss = torch.tensor([sum(float(r["loss"]) for r in results) if own else 0.0], device=self.actor.device)
-            dist.all_reduce(loss)  # the last stage's DP ranks hold the parts of the token mean
-            losses.append(loss.item())
-            if self.rank == 0 and report_every and (step + 1) % report_every == 0 \
-                    and step + 1 < run.trainer.sft_warmup_steps:
-                log.info("SFT warm-up: step %d/%d, loss %.3f", step + 1, run.trainer.sft_warmup_steps, losses[-1])
-        set_learning_rate(self.actor, run.optim.lr)
-        if self.rank == 0:
-            log.info("SFT warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
-        return losses
+        return sft_warmup(self.run, self.examples, self.tokenizer, self.actor, self.runner, self.rank)
 
     def train(self) -> list[dict[str, Any]]:
         """Run the steps. A stop signal (``parallel.stop_signals``) ends the run at the next step boundary that
@@ -437,14 +391,3 @@ class Trainer:
             self.scorer.close()
         if getattr(self, "engine", None) is not None:
             self.engine.close()
-
-
-def _sft_loss_fn(denominator: float):
-    from megatron_dynamo.trainer.policy_loss import response_token_stats
-
-    def loss_fn(model_output, micro_batch):
-        stats, _, _ = response_token_stats(model_output, micro_batch, 1.0, None)
-        loss = -stats.logp.sum() / denominator
-        return loss, {"loss": loss.detach()}
-
-    return loss_fn

