@@ -80,10 +80,10 @@ def read_samples(run_dir: Path) -> dict[str, np.ndarray]:
 
 
 def run_seconds(run_dir: Path) -> tuple[float | None, float | None]:
-    """(training seconds, evaluation seconds) of a run from metrics.jsonl (step_seconds, eval/seconds if logged)."""
+    """(training seconds, evaluation seconds) of a run from metrics.jsonl (step_seconds, time/eval)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = sum(r.get("step_seconds", 0.0) for r in rows) or None
-    evals = [v for r in rows for k, v in r.items() if re.fullmatch(r"eval/(seconds|time|wall_seconds)", k)]
+    evals = [v for r in rows for k, v in r.items() if re.fullmatch(r"time/eval", k)]
     return train, (evals[-1] if evals else None)
 
 
@@ -156,8 +156,8 @@ def main(argv=None) -> int:
     walls = []
     plan = json.loads((pilot / "ablation.json").read_text()) if (pilot / "ablation.json").is_file() else {}
     for run in plan.get("runs", []):
-        if run.get("variant") in (var_a, var_b) and run.get("wall_seconds"):
-            walls.append(float(run["wall_seconds"]))
+        if run.get("variant") in (var_a, var_b) and run.get("seconds"):
+            walls.append(float(run["seconds"]))
     P0, n0 = pairs[0]["P"], pairs[0]["n"]
     run_wall = float(np.mean(walls)) if walls else None
     eval_s = [e for _, e in times if e]
@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     t_train = (run_wall - (float(np.mean(eval_s)) if eval_s else 0.0)) if run_wall else None
     sft_min = args.sft_minutes
     if sft_min is None:
-        sft_min = next((float(r["wall_seconds"]) / 60 for r in plan.get("runs", [])
-                        if r.get("variant") == "sft" and r.get("wall_seconds")), 0.0)
+        sft_min = next((float(r["seconds"]) / 60 for r in plan.get("runs", [])
+                        if r.get("variant") == "sft" and r.get("seconds")), 0.0)
 
     print(f"pilot: {pilot} ({var_a} vs {var_b}, seeds {', '.join(seeds)}; final evaluation P={P0} problems x n={n0})")
     print(f"  per-seed difference {var_a} - {var_b} (points): {' '.join(f'{x:+.2f}' for x in d)}; "

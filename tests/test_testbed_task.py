@@ -118,3 +118,54 @@ def test_bad_arguments_are_refused():
         make_testbed_task(5, lengths=(1,))
     with pytest.raises(ValueError, match="cannot draw"):
         make_testbed_task(200, split="test", lengths=(3,))  # only 43 held-out orderings of 3 terms
+
+
+def _power_calc():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "power_calc.py"
+    spec = importlib.util.spec_from_file_location("power_calc", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_power_calc_t_quantiles_and_seed_count():
+    pc = _power_calc()
+    for q, df, want in ((0.975, 2, 4.3027), (0.8, 2, 1.0607), (0.975, 9, 2.2622), (0.975, 1000, 1.9623)):
+        assert abs(pc.t_quantile(q, df) - want) < 2e-3
+    # sigma^2 = 0, V_eval = 0.25 pts^2 (SE 0.5 per seed): t_{S-1} sum vs 1.5 / sqrt(0.25 / S)
+    # S=3: 1.5 / 0.289 = 5.20 < 4.30 + 1.06; S=4: 1.5 / 0.25 = 6.0 >= 3.18 + 0.98
+    assert pc.required_seeds(0.0, 0.25, 1.5, 0.8) == 4
+
+
+def test_power_calc_recovers_the_problem_clustered_evaluation_noise(tmp_path):
+    """A pilot with known pass rates: variant A = B + a seed-specific shift, so the per-problem differences carry
+    only sampling noise, V_eval = (w_A + w_B) / (n P); the script's estimate must match it (P = 400: ~7%) and its
+    between-problem part must be ~0. Then the seed variance: shifts with SD 2 points over 12 seeds."""
+    import json
+
+    import numpy as np
+
+    pc = _power_calc()
+    rng = np.random.default_rng(0)
+    P, n, seeds = 400, 8, 12
+    p = rng.uniform(0.1, 0.9, P)
+    shifts = rng.normal(0, 0.02, seeds)
+    for s in range(seeds):
+        for variant, rate in (("a", np.clip(p + shifts[s], 0, 1)), ("b", p)):
+            d = tmp_path / "runs" / variant / f"seed{s + 1}" / "eval" / "step_000030"
+            d.mkdir(parents=True)
+            rows = [{"problem_id": f"q{i}", "correct": bool(rng.random() < rate[i])} for i in range(P) for _ in range(n)]
+            (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (d.parent.parent / "metrics.jsonl").write_text(json.dumps({"step": 30, "step_seconds": 1.0}) + "\n")
+    out = tmp_path / "power.json"
+    assert pc.main([str(tmp_path), "--variants", "a,b", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    w = float(np.mean(p * (1 - p)))
+    theory = 2 * w / (n * P) * 1e4
+    assert abs(got["v_eval0"] / theory - 1) < 0.15, (got["v_eval0"], theory)
+    assert got["tau_d2"] < 0.1 * got["w_sum"]
+    assert 1.0 < got["sigma2_train"] < 10.0  # true 4 points^2, 11 df
+    assert got["sigma2_train_upper80"] > got["sigma2_train"]
