@@ -171,8 +171,8 @@ def test_a_small_data_set_names_every_key_to_change_at_once(tmp_path):
 
 # 8 ----------------------------------------------------------------------------------------------------------------
 def test_eval_outputs_are_keyed_by_the_checkpoint_and_a_finished_one_is_reused(tmp_path):
-    from megatron_dynamo.commands.eval import (_identity, _other_model, _record_finished, default_output,
-                                               finished_evaluation)
+    from megatron_dynamo.commands.eval_output import (checkpoint_key, default_output, finished_evaluation,
+                                                      other_model, record_finished)
     from megatron_dynamo.eval.model_source import checkpoint_identity
 
     a, b = tmp_path / "a" / "checkpoints" / "step_000060", tmp_path / "b" / "checkpoints" / "step_000060"
@@ -192,13 +192,13 @@ def test_eval_outputs_are_keyed_by_the_checkpoint_and_a_finished_one_is_reused(t
                            max_tokens=6, template=None, seed=0, answer_only=False, limit=None, tokenizer=None,
                            max_model_len=None, dtype=None)
     (out / "summary.json").write_text(json.dumps({"benchmarks": {}, "avg": {"pass@1": 0.5}}))
-    assert finished_evaluation(out, _identity(a), args) is None  # not marked finished
-    _record_finished(out, _identity(a), args)
-    assert finished_evaluation(out, _identity(a), args)["avg"] == {"pass@1": 0.5}
-    assert finished_evaluation(out, _identity(a), SimpleNamespace(**{**vars(args), "n": 4})) is None
-    assert finished_evaluation(out, _identity(b), args) is None
+    assert finished_evaluation(out, checkpoint_key(a), args) is None  # not marked finished
+    record_finished(out, checkpoint_key(a), args)
+    assert finished_evaluation(out, checkpoint_key(a), args)["avg"] == {"pass@1": 0.5}
+    assert finished_evaluation(out, checkpoint_key(a), SimpleNamespace(**{**vars(args), "n": 4})) is None
+    assert finished_evaluation(out, checkpoint_key(b), args) is None
     (out / "settings.json").write_text(json.dumps({"model": str(a)}))
-    assert _other_model(out, a) is None and _other_model(out, b) == str(a)
+    assert other_model(out, a) is None and other_model(out, b) == str(a)
 
 
 def test_ablate_checks_the_recipes_data_names_before_any_run(tmp_path):

@@ -38,6 +38,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from megatron_dynamo.commands.eval_output import (
+    checkpoint_key,
+    default_output,
+    finished_evaluation,
+    forget_results,
+    other_model,
+    record_finished,
+)
 from megatron_dynamo.data.dataset import BENCHMARKS
 
 
@@ -263,7 +271,7 @@ def run(args) -> int:
     # A hub id's snapshot directory is named by its commit: outputs and the table use the model's name.
     name = str(args.checkpoint).rstrip("/").split("/")[-1] if is_hub_reference(args.checkpoint) else source.name
     output = Path(args.output or default_output(source, name))
-    finished = None if args.overwrite else finished_evaluation(output, _identity(source), args)
+    finished = None if args.overwrite else finished_evaluation(output, checkpoint_key(source), args)
     if finished is not None:
         if rank == 0:
             print(f"dynamo eval: {output} already holds this evaluation of {source} (finished); showing it "
@@ -272,8 +280,8 @@ def run(args) -> int:
             print(f"\n{output / 'samples.jsonl'}\n{output / 'summary.json'}")
         return 0
     if args.overwrite and rank == 0:
-        _forget_results(output)
-    other = _other_model(output, source)
+        forget_results(output)
+    other = other_model(output, source)
     if other is not None:  # before any conversion writes into it
         return fail(f"{output} holds the evaluation of another model ({other}); choose another --output or pass "
                     "--overwrite to replace it")
@@ -314,73 +322,13 @@ def run(args) -> int:
                 dist.destroy_process_group()
     if rank != 0:
         return 0
-    _record_finished(output, _identity(source), args)
+    record_finished(output, checkpoint_key(source), args)
     print(format_table([(args.label or name, summary)]))
     rate = summary["problems_per_second"]
     print(f"\n{output / 'samples.jsonl'}\n{output / 'summary.json'}"
           + (f"\n{summary['generated_problems']} problems generated in {summary['seconds']:.1f} s "
              f"({rate:.2f} problems/s)" if rate else ""))
     return 0
-
-
-FINISHED_FILE = "finished.json"
-#: The arguments a finished evaluation depends on (the others, --nproc, --problems-per-batch..., change no sample).
-_RESULT_ARGS = ("benchmarks", "data_dir", "n", "k", "temperature", "top_p", "max_tokens", "template", "seed",
-                "answer_only", "limit", "tokenizer", "max_model_len", "dtype")
-
-
-def default_output(source: Path, name: str) -> Path:
-    """``outputs/eval/<name>-<8 hex of the checkpoint's absolute path>``: every checkpoint its own directory."""
-    import hashlib
-
-    return Path("outputs") / "eval" / f"{name}-{hashlib.sha256(str(source).encode()).hexdigest()[:8]}"
-
-
-def _identity(source: Path) -> str:
-    from megatron_dynamo.eval.model_source import checkpoint_identity
-
-    return f"{source}:{checkpoint_identity(source)}"
-
-
-def _result_args(args) -> dict[str, Any]:
-    return {key: getattr(args, key) for key in _RESULT_ARGS}
-
-
-def finished_evaluation(output: Path, identity: str, args) -> dict[str, Any] | None:
-    """The summary of ``output`` when it holds a finished evaluation of this checkpoint (same path and files) with
-    these arguments, else None."""
-    from megatron_dynamo.eval.runner import SUMMARY_FILE
-
-    try:
-        record = json.loads((output / FINISHED_FILE).read_text(encoding="utf-8"))
-        summary = json.loads((output / SUMMARY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    same = record.get("checkpoint") == identity and record.get("args") == json.loads(json.dumps(_result_args(args)))
-    return summary if same else None
-
-
-def _other_model(output: Path, source: Path) -> str | None:
-    from megatron_dynamo.eval.runner import SETTINGS_FILE
-
-    try:
-        model = json.loads((output / SETTINGS_FILE).read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return model if model not in (None, str(source)) else None
-
-
-def _record_finished(output: Path, identity: str, args) -> None:
-    (output / FINISHED_FILE).write_text(json.dumps({"checkpoint": identity, "args": _result_args(args)}, indent=2)
-                                        + "\n", encoding="utf-8")
-
-
-def _forget_results(output: Path) -> None:
-    """--overwrite: the samples, settings and summary go (a cached conversion stays: it is keyed by identity)."""
-    from megatron_dynamo.eval.runner import SAMPLES_FILE, SETTINGS_FILE, SUMMARY_FILE
-
-    for name in (FINISHED_FILE, SUMMARY_FILE, SAMPLES_FILE, SETTINGS_FILE):
-        (output / name).unlink(missing_ok=True)
 
 
 def _prepare(args, config, source, output: Path, rank: int, fail, collective: bool):

@@ -26,207 +26,43 @@ engine, timing fields aside. Every rank returns the summary.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from megatron_dynamo.data.dataset import BENCHMARKS, MathExample, load_math_jsonl
-from megatron_dynamo.data.templates import DEFAULT_TEMPLATE, get_template, render
-from megatron_dynamo.eval.passk import mean_pass_at_k
+from megatron_dynamo.data.dataset import MathExample
+from megatron_dynamo.eval.benchmarks import (  # noqa: F401 -- re-exported: the names importers have always used
+    Benchmark,
+    EvalConfig,
+    EvalError,
+    benchmark_name,
+    build_prompts,
+    load_benchmarks,
+)
+from megatron_dynamo.eval.results import (  # noqa: F401 -- re-exported as above
+    AVERAGE,
+    DISPLAY_NAMES,
+    SAMPLES_FILE,
+    SETTINGS_FILE,
+    SUMMARY_FILE,
+    check_settings,
+    format_table,
+    read_finished,
+    summarize,
+    summary_metrics,
+    write_json_atomic,
+    write_lines,
+)
 from megatron_dynamo.rollout.interface import GenerationRequest, SamplingConfig
 from megatron_dynamo.rollout.sharding import EngineLayout, assign_to_engines, request_loads
 
 log = logging.getLogger(__name__)
 
-SAMPLES_FILE = "samples.jsonl"
-SUMMARY_FILE = "summary.json"
-SETTINGS_FILE = "settings.json"
-AVERAGE = "avg"
 
-
-class EvalError(RuntimeError):
-    """An evaluation cannot start or go on (bad settings, a prompt longer than the model's context, a directory
-    that holds an evaluation made with other settings)."""
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """What to evaluate and how to sample.
-
-    ``benchmarks``: names (``aime24``, ``aime25``, ``amc23``, ``math500``, ``minerva``, ``olympiadbench``, or any
-    registered dataset) or JSONL / parquet paths (flat rows or verl's layout, see ``data/dataset.py``);
-    ``data_dir`` holds the local files of named ones.
-    ``n`` samples per problem; pass@1 and pass@k for every ``k`` are reported (each k <= n). The paper's sampling
-    (Table 3: temperature 1.0, top-p 1.0, 8192 response tokens) is the default: it gives no separate evaluation
-    values. ``template``: the prompt template of training. ``answer_candidates``: also accept a row's
-    ``answer_candidates`` (Minerva's accepted forms). ``limit``: only the first ``limit`` problems of each
-    benchmark (smoke runs). ``problems_per_batch``: problems per generation call (the unit of resumption).
-    ``stop_token_ids``: ids that end a response besides the tokenizer's EOS (the trainer passes its rollout's).
-    """
-
-    benchmarks: tuple[str, ...] = BENCHMARKS
-    n: int = 32
-    k: tuple[int, ...] = (1, 32)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 8192
-    template: str = DEFAULT_TEMPLATE
-    seed: int = 0
-    answer_candidates: bool = True
-    limit: int | None = None
-    data_dir: str | None = None
-    problems_per_batch: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        # YAML and the command line hand over lists; settings.json compares tuples.
-        object.__setattr__(self, "benchmarks", tuple(self.benchmarks))
-        object.__setattr__(self, "k", tuple(sorted({1, *(int(k) for k in self.k)})))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-
-    def validate(self) -> None:
-        if not self.benchmarks:
-            raise ValueError("evaluation needs at least one benchmark")
-        if len(set(self.benchmarks)) != len(self.benchmarks):
-            raise ValueError(f"benchmarks repeat: {list(self.benchmarks)}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if any(not 1 <= k <= self.n for k in self.k):
-            raise ValueError(f"every k must lie in [1, n={self.n}], got {list(self.k)}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be None or >= 1, got {self.limit}")
-        if self.problems_per_batch < 1:
-            raise ValueError(f"problems_per_batch must be >= 1, got {self.problems_per_batch}")
-        SamplingConfig(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens).validate()
-        get_template(self.template)
-
-    def sampling(self) -> SamplingConfig:
-        # Log-probs are not needed; the text is what gets scored.
-        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
-                              seed=self.seed, stop_token_ids=self.stop_token_ids, logprobs=False, detokenize=True)
-
-    def settings(self) -> dict[str, Any]:
-        """Everything a sample depends on (``problems_per_batch`` does not: seeds are per problem)."""
-        values = asdict(self)
-        values.pop("problems_per_batch")
-        values.pop("data_dir")
-        return json.loads(json.dumps(values))  # tuples -> lists, as they come back from settings.json
-
-
-@dataclass(frozen=True)
-class Benchmark:
-    name: str
-    path: str
-    problems: tuple[MathExample, ...]
-
-
-def benchmark_name(name_or_path: str) -> str:
-    """The short name of a benchmark: itself for a registered name, the file stem for a path."""
-    text = os.fspath(name_or_path)
-    return Path(text).stem if text.endswith((".jsonl", ".json", ".parquet")) or os.sep in text else text
-
-
-def load_benchmarks(config: EvalConfig) -> list[Benchmark]:
-    """Read every benchmark (all of them before any generation: a missing file fails fast)."""
-    benchmarks, seen = [], set()
-    for entry in config.benchmarks:
-        name = benchmark_name(entry)
-        if name in seen:
-            raise EvalError(f"two benchmarks are called {name!r}; rename one of the files")
-        seen.add(name)
-        dataset = load_math_jsonl(entry, config.data_dir, source_name=name)
-        problems = tuple(dataset)[: config.limit] if config.limit else tuple(dataset)
-        benchmarks.append(Benchmark(name, dataset.path, problems))
-    return benchmarks
-
-
-def build_prompts(benchmarks: Sequence[Benchmark], template: str, tokenizer,
-                  max_prompt_tokens: int | None = None) -> dict[tuple[str, str], tuple[int, ...]]:
-    """Prompt token ids per (benchmark, problem id), rendered and tokenized exactly as in training; EvalError
-    if any is longer than ``max_prompt_tokens``."""
-    prompts = {}
-    for bench in benchmarks:
-        for example in bench.problems:
-            text = render(template, example.problem)
-            prompts[(bench.name, example.id)] = tuple(tokenizer.encode(text, add_special_tokens=False))
-    if max_prompt_tokens is not None:
-        too_long = [f"{b}/{p} ({len(ids)} tokens)" for (b, p), ids in prompts.items() if len(ids) > max_prompt_tokens]
-        if too_long:
-            raise EvalError(f"{len(too_long)} prompt(s) exceed the engine's {max_prompt_tokens} prompt tokens: "
-                            f"{', '.join(too_long[:5])}{' ...' if len(too_long) > 5 else ''}; raise the model "
-                            "length or evaluate fewer benchmarks")
-    return prompts
-
-
-# --------------------------------------------------------------------------------------------- samples file
-def _read_finished(path: Path, wanted: dict[tuple[str, str], int], n: int) -> tuple[dict, int]:
-    """Complete problems of ``samples.jsonl``: ``{(benchmark, problem id): [record per sample index]}`` and the
-    number of lines that were dropped (unfinished problems, torn or foreign lines)."""
-    if not path.is_file():
-        return {}, 0
-    groups: dict[tuple[str, str], dict[int, dict]] = {}
-    dropped = 0
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                record = json.loads(raw)
-                key = (record["benchmark"], record["problem_id"])
-                index = int(record["sample_index"])
-            except (ValueError, KeyError, TypeError):
-                dropped += 1
-                continue
-            if key not in wanted or not 0 <= index < n:
-                dropped += 1
-                continue
-            groups.setdefault(key, {})[index] = record
-    finished = {}
-    for key, by_index in groups.items():
-        if len(by_index) == n:
-            finished[key] = [by_index[i] for i in range(n)]
-        else:
-            dropped += len(by_index)
-    return finished, dropped
-
-
-def _write_lines(path: Path, records: Sequence[dict], mode: str) -> None:
-    with open(path, mode, encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json_atomic(path: Path, value: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _check_settings(output_dir: Path, settings: dict[str, Any]) -> None:
-    path = output_dir / SETTINGS_FILE
-    if path.is_file():
-        try:
-            previous = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError:
-            previous = None
-        if previous != settings:
-            differ = sorted(k for k in set(settings) | set(previous or {})
-                            if (previous or {}).get(k) != settings.get(k))
-            raise EvalError(f"{output_dir} holds an evaluation made with other settings (differ: "
-                            f"{', '.join(differ) or 'unreadable settings.json'}); choose another output "
-                            "directory or remove it")
-    elif (output_dir / SAMPLES_FILE).exists():
-        raise EvalError(f"{output_dir / SAMPLES_FILE} exists without {SETTINGS_FILE}: not an evaluation "
-                        "directory this code wrote; choose another output directory")
-    _write_json_atomic(path, settings)
-
-
-# ------------------------------------------------------------------------------------------------ evaluate
 @dataclass
 class _Progress:
     """``mode`` True: a tqdm bar of problems (rate, ETA) on a terminal, else one line per batch with the rate and
@@ -344,13 +180,13 @@ def _in_problem_order(parts: Sequence[Sequence[dict] | None], batch: Sequence[Ma
 def _open_output(output: Path, settings: dict[str, Any], prompts: dict, config: EvalConfig) -> dict:
     """Check the settings and read the finished problems (dropping the lines of unfinished ones)."""
     output.mkdir(parents=True, exist_ok=True)
-    _check_settings(output, settings)
+    check_settings(output, settings)
     samples_path = output / SAMPLES_FILE
-    finished, dropped = _read_finished(samples_path, dict.fromkeys(prompts, 0), config.n)
+    finished, dropped = read_finished(samples_path, dict.fromkeys(prompts, 0), config.n)
     if dropped:  # rewrite without the unfinished problems, atomically, before appending
         log.warning("eval: dropping %d line(s) of unfinished problems from %s", dropped, samples_path)
         tmp = samples_path.with_suffix(".jsonl.tmp")
-        _write_lines(tmp, [r for records in finished.values() for r in records], "w")
+        write_lines(tmp, [r for records in finished.values() for r in records], "w")
         os.replace(tmp, samples_path)
     return finished
 
@@ -423,7 +259,7 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
                 if rank == 0:
                     records = _in_problem_order(parts, batch, config)
             if rank == 0:
-                _write_lines(samples_path, records, "a")
+                write_lines(samples_path, records, "a")
                 for i, ex in enumerate(batch):  # grouped in problem order, by sample index
                     finished[(bench.name, ex.id)] = records[i * config.n:(i + 1) * config.n]
             tracker.update(bench.name, len(batch))
@@ -441,7 +277,7 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
             summary["seconds"] = seconds
             summary["problems_per_second"] = (tracker.generated / seconds if tracker.generated and seconds > 0
                                               else None)
-            _write_json_atomic(output / SUMMARY_FILE, summary)
+            write_json_atomic(output / SUMMARY_FILE, summary)
         except Exception as exc:  # noqa: BLE001 -- the other ranks wait for the summary
             if dist is None:
                 raise
@@ -455,56 +291,3 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
             raise EvalError(box[0][0])
         summary = box[0][1]
     return summary
-
-
-def summarize(benchmarks: Sequence[Benchmark], finished: dict[tuple[str, str], list[dict]],
-              config: EvalConfig) -> dict[str, Any]:
-    """Per-benchmark and averaged pass@k from the samples of every problem."""
-    rows: dict[str, dict[str, Any]] = {}
-    for bench in benchmarks:
-        groups = [finished[(bench.name, ex.id)] for ex in bench.problems]
-        counts = [(len(g), sum(r["correct"] for r in g)) for g in groups]
-        tokens = [r["num_tokens"] for g in groups for r in g]
-        rows[bench.name] = {
-            **{f"pass@{k}": mean_pass_at_k(counts, k) for k in config.k},
-            "problems": len(groups), "samples": len(tokens),
-            "mean_response_tokens": sum(tokens) / len(tokens),
-            "truncated_fraction": sum(r["finish_reason"] == "length" for g in groups for r in g) / len(tokens),
-        }
-    average = {f"pass@{k}": sum(row[f"pass@{k}"] for row in rows.values()) / len(rows) for k in config.k}
-    return {"benchmarks": rows, AVERAGE: average, "n": config.n, "k": list(config.k)}
-
-
-# --------------------------------------------------------------------------------------------------- report
-DISPLAY_NAMES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500",
-                 "minerva": "Minerva", "olympiadbench": "Olympiad"}
-
-
-def format_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """The paper's layout (Table 1): one column pair per benchmark and for the average, P@k in percent, one row
-    per ``(label, summary)``."""
-    if not rows:
-        raise ValueError("format_table: nothing to show")
-    names = list(rows[0][1]["benchmarks"])
-    ks = rows[0][1]["k"]
-    columns = [DISPLAY_NAMES.get(name, name) for name in names] + ["Avg."]
-    label_width = max(6, *(len(label) for label, _ in rows))
-    cell = max(6, *(len(c) // len(ks) + 1 for c in columns))
-    group = cell * len(ks)
-    lines = [" " * label_width + "".join(f" {c:>{group}}" for c in columns),
-             " " * label_width + "".join(" " + "".join(f"{'P@' + str(k):>{cell}}" for k in ks) for _ in columns)]
-    for label, summary in rows:
-        values = [summary["benchmarks"][name] for name in names] + [summary[AVERAGE]]
-        lines.append(f"{label:<{label_width}}" + "".join(
-            " " + "".join(f"{100 * v[f'pass@{k}']:>{cell}.1f}" for k in ks) for v in values))
-    return "\n".join(lines)
-
-
-def summary_metrics(summary: dict[str, Any], prefix: str = "eval/") -> dict[str, float]:
-    """Flat metrics for the training log: ``eval/<benchmark>/pass@k`` and ``eval/avg/pass@k``."""
-    metrics = {}
-    for name, row in [*summary["benchmarks"].items(), (AVERAGE, summary[AVERAGE])]:
-        for key, value in row.items():
-            if key.startswith("pass@") or key in ("mean_response_tokens", "truncated_fraction"):
-                metrics[f"{prefix}{name}/{key}"] = float(value)
-    return metrics
