@@ -107,8 +107,9 @@ def test_every_micro_batch_plan_gives_the_same_selection_loss_and_gradients(refe
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(1800)  # with the reference fixture: 16 min on the 2-core machine under a load of ~70
 def test_two_data_parallel_ranks_match_one(reference):
-    cases = [(algo, plan) for algo in ALL for plan in ("rows1", "packed_tokens40")]
+    cases = [(algo, "packed_tokens40") for algo in ALL]
     first, second = run_on_ranks(_worker, 2, {}, cases)
     for case in cases:
         a, b = first[case], second[case]
