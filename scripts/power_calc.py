@@ -96,9 +96,15 @@ def eval_components(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[
     d = ca / n - cb / n
     w_a = float((ca * (n - ca) / (n * (n - 1))).mean())
     w_b = float((cb * (n - cb) / (n * (n - 1))).mean())
+    # per-sample mismatch of the paired samples (sample j of A vs sample j of B: the evaluation draws the same random
+    # numbers per (seed, problem), so close models give correlated samples): the within-problem variance of
+    # x_Aj - x_Bj, unbiased per problem, averaged
+    pair = np.array([a[i][:n] - b[i][:n] for i in ids])
+    s2 = float(pair.var(axis=1, ddof=1).mean())
     var_d = float(d.var(ddof=1))
     return {"P": len(ids), "n": n, "d": float(d.mean()), "var_problem_diff": var_d, "w_a": w_a, "w_b": w_b,
-            "tau_d2": max(0.0, var_d - (w_a + w_b) / n), "v_eval": var_d / len(ids),
+            "s2_pair": s2, "tau_d2": max(0.0, var_d - s2 / n), "v_eval": var_d / len(ids),
+            "v_eval_independent": (w_a + w_b) / n / len(ids),
             "tau_single2": float(max(0.0, (ca / n).var(ddof=1) - w_a / n)), "pass1_a": float(ca.mean() / n),
             "pass1_b": float(cb.mean() / n)}
 
@@ -123,6 +129,12 @@ def main(argv=None) -> int:
     parser.add_argument("--table-variants", type=int, default=9, help="variants of the full design (default 9)")
     parser.add_argument("--sft-minutes", type=float, default=None, help="shared warm-up time (default: pilot's)")
     parser.add_argument("--max-problems", type=int, default=1500, help="size of the held-out split")
+    parser.add_argument("--train-minutes", type=float, default=None,
+                        help="one run's training time without evaluation (default: the pilot's)")
+    parser.add_argument("--eval-ms", type=float, default=None, help="ms per evaluation sample (default: pilot's)")
+    parser.add_argument("--independent", action="store_true",
+                        help="extrapolate the evaluation noise as if the paired runs' samples were independent "
+                             "(w_A + w_B; conservative) instead of the measured paired mismatch")
     parser.add_argument("--json", default=None, help="write the numbers here")
     args = parser.parse_args(argv)
     if not 0 < args.power < 1 or args.effect <= 0 or args.jobs < 1 or args.minutes <= 0:
@@ -147,10 +159,12 @@ def main(argv=None) -> int:
     sigma2_train_hi = max(0.0, var_d * df / _chi2_quantile(0.2, df) - v_eval0)
     tau_d2 = float(np.mean([p["tau_d2"] for p in pairs])) * 1e4
     w_sum = float(np.mean([p["w_a"] + p["w_b"] for p in pairs])) * 1e4
+    s2_pair = float(np.mean([p["s2_pair"] for p in pairs])) * 1e4
+    v_indep0 = float(np.mean([p["v_eval_independent"] for p in pairs])) * 1e4
     singles = np.array([100 * p[k] for p in pairs for k in ("pass1_a", "pass1_b")])
 
-    def v_eval(P: int, n: int) -> float:
-        return (tau_d2 + w_sum / n) / P
+    def v_eval(P: int, n: int) -> float:  # paired samples as measured (s2_pair); w_sum if they were independent
+        return (tau_d2 + (w_sum if args.independent else s2_pair) / n) / P
 
     times = [run_seconds(pilot / "runs" / v / s) for v in (var_a, var_b) for s in seeds]
     walls = []
@@ -163,6 +177,10 @@ def main(argv=None) -> int:
     eval_s = [e for _, e in times if e]
     t_gen = (float(np.mean(eval_s)) / (P0 * n0)) if eval_s else None
     t_train = (run_wall - (float(np.mean(eval_s)) if eval_s else 0.0)) if run_wall else None
+    if args.train_minutes is not None:  # timings of a quiet machine instead of the pilot's
+        t_train, run_wall = args.train_minutes * 60, args.train_minutes * 60
+    if args.eval_ms is not None:
+        t_gen = args.eval_ms / 1000
     sft_min = args.sft_minutes
     if sft_min is None:
         sft_min = next((float(r["seconds"]) / 60 for r in plan.get("runs", [])
@@ -173,8 +191,9 @@ def main(argv=None) -> int:
           f"mean {d.mean():+.2f}, variance {var_d:.2f}")
     print(f"  single-run pass@1 (%): {' '.join(f'{x:.1f}' for x in singles)}")
     print(f"  evaluation noise of one paired difference at P={P0}, n={n0}: {v_eval0:.3f} points^2 "
-          f"(SE {math.sqrt(v_eval0):.2f}); between-problem part tau_d^2 = {tau_d2:.1f}, sampling part "
-          f"(w_A + w_B) = {w_sum:.1f} points^2 per problem")
+          f"(SE {math.sqrt(v_eval0):.2f}); between-problem part tau_d^2 = {tau_d2:.1f}, per-sample mismatch of the "
+          f"paired samples s^2 = {s2_pair:.1f} points^2 (independent samples would give w_A + w_B = {w_sum:.1f}: "
+          f"V_eval {v_indep0:.3f})")
     print(f"  training (seed-to-seed) variance of the difference: sigma_train^2 = {sigma2_train:.2f} points^2 "
           f"(upper 80% bound {sigma2_train_hi:.2f}, {df} df)")
     if run_wall:
@@ -213,7 +232,8 @@ def main(argv=None) -> int:
             print(f"cheapest for {V} variants: {pick['seeds']} seeds, P={pick['P']}, n={pick['n']}: "
                   f"{pick['minutes'][V]} min ({verdict} in {args.minutes:.0f} min)")
     out = {"pilot": str(pilot), "variants": [var_a, var_b], "seeds": seeds, "d_points": d.tolist(),
-           "var_d": var_d, "v_eval0": v_eval0, "tau_d2": tau_d2, "w_sum": w_sum, "sigma2_train": sigma2_train,
+           "var_d": var_d, "v_eval0": v_eval0, "tau_d2": tau_d2, "w_sum": w_sum, "s2_pair": s2_pair,
+           "v_eval_independent0": v_indep0, "sigma2_train": sigma2_train,
            "sigma2_train_upper80": sigma2_train_hi, "run_wall_s": run_wall, "t_train_s": t_train, "t_gen_s": t_gen,
            "sft_minutes": sft_min, "rows": rows, "best": {str(k): v for k, v in best.items()},
            "pairs": pairs}
