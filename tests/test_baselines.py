@@ -46,28 +46,35 @@ def test_clip_higher_is_dapos_decoupled_clip():
 
 
 # ------------------------------------------------------------------------------------------------ Entropy Loss
-def test_entropy_loss_value_and_score_function_gradient():
+def test_entropy_loss_is_ppo_minus_c_mean_entropy_with_its_exact_gradient():
+    """Entropy Loss on the trainer's token statistics (entropy differentiable) against float64 autograd through
+    log_softmax: value and gradient w.r.t. the logits."""
+    from megatron_dynamo.parallel import vocab_parallel_token_stats
+
     cfg = PolicyLossConfig(name="entropy_loss", entropy_loss_coef=0.1)
-    entropy = torch.tensor([0.8, 1.2], dtype=torch.float64)
-    out, grad = _grad("entropy_loss", [-0.5, -1.0], [-0.5, -1.0], [1.0, -1.0], cfg, entropy=entropy)
-    # r = 1: PPO part mean(-A) = 0; bonus 0.1 * mean(H) = 0.1
-    assert out.loss.item() == pytest.approx(0.0 - 0.1 * 1.0)
-    # d/d logp_t: -A_t / 2 + 0.1 * (logp_t + H_t) * r_t / 2
-    assert grad == pytest.approx([-0.5 + 0.1 * 0.3 / 2, 0.5 + 0.1 * 0.2 / 2])
-
-
-def test_the_entropy_gradients_expectation_is_the_exact_entropy_gradient():
-    # The identity the entropy_loss surrogate rests on: sum_a pi_a (log pi_a + H) d log pi_a / dz = -dH / dz.
-    z = torch.tensor([0.3, -1.2, 2.0, 0.1], dtype=torch.float64, requires_grad=True)
-    logpi = torch.log_softmax(z, -1)
-    h = -(logpi.exp() * logpi).sum()
-    (dh,) = torch.autograd.grad(h, z, retain_graph=True)
-    pi = logpi.exp().detach()
-    expected = torch.zeros(4, dtype=torch.float64)
-    for a in range(4):
-        (dlog,) = torch.autograd.grad(logpi[a], z, retain_graph=True)
-        expected += pi[a] * (logpi[a].detach() + h.detach()) * dlog
-    torch.testing.assert_close(expected, -dh)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 7, generator=gen, dtype=torch.float64) * 2
+    target = torch.randint(0, 7, (5,), generator=gen)
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0], dtype=torch.float64)
+    old = torch.log_softmax(logits, -1).gather(-1, target[:, None]).squeeze(-1) - 0.05  # ratio ~1.05, unclipped
+    mask = torch.ones(5, dtype=torch.bool)
+    z = logits.float().requires_grad_()
+    stats = vocab_parallel_token_stats(z, target)
+    out = get_policy_loss("entropy_loss")(stats.logp, old.float(), adv.float(), mask, cfg, entropy=stats.entropy)
+    out.loss.backward()
+    z64 = logits.clone().requires_grad_()
+    logpi = torch.log_softmax(z64, -1)
+    logp = logpi.gather(-1, target[:, None]).squeeze(-1)
+    h = -(logpi.exp() * logpi).sum(-1)
+    ratio = torch.exp(logp - old)
+    expected = (-adv * ratio).mean() - 0.1 * h.mean()  # token-mean; r in [0.8, 1.2]: no clip
+    expected.backward()
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(z.grad.double(), z64.grad, rtol=1e-5, atol=1e-6)
+    # the bonus really moves the gradient: without it the gradient differs
+    z64.grad = None
+    (-adv * torch.exp(torch.log_softmax(z64, -1).gather(-1, target[:, None]).squeeze(-1) - old)).mean().backward()
+    assert (z.grad.double() - z64.grad).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------- Fork Tokens

@@ -60,6 +60,17 @@ def _reference(logits: torch.Tensor, target: torch.Tensor, temperature: float, g
     return out
 
 
+def _reference_with_entropy(logits, target, temperature, grad, grad_h):
+    """float64 autograd of sum(g * log pi_a + g^H * H) w.r.t. the logits (masked -inf logits: 0 * log 0 = 0)."""
+    x = logits.detach().to(torch.float64).requires_grad_()
+    logp_all = torch.log_softmax(x / temperature, dim=-1)
+    p = logp_all.exp()
+    entropy = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
+    logp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    (g,) = torch.autograd.grad((logp * grad.double()).sum() + (entropy * grad_h.double()).sum(), x)
+    return g
+
+
 def _reference_fused(hidden, weight, target, temperature, grad):
     h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
@@ -102,7 +113,7 @@ def test_tp1_matches_float64_reference(temperature, chunk_size):
     before, version = x.detach().clone(), x._version
     out = vocab_parallel_token_stats(x, target, temperature, group=None, chunk_size=chunk_size)
     assert isinstance(out, TokenStats)
-    assert out.logp.requires_grad and not out.entropy.requires_grad and not out.sum_pi2_lambda.requires_grad
+    assert out.logp.requires_grad and out.entropy.requires_grad and not out.sum_pi2_lambda.requires_grad
     ref = _reference(logits, target, temperature, grad)
     _assert_stats_close(out, ref)
     (g,) = torch.autograd.grad((out.logp * grad).sum(), x)
@@ -110,6 +121,35 @@ def test_tp1_matches_float64_reference(temperature, chunk_size):
     _assert_grad_close(g, ref["grad"])
     # the caller's logits are untouched: same values, no in-place op recorded
     assert torch.equal(x.detach(), before) and x._version == version
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [7, None])
+def test_entropy_gradient_matches_float64_autograd(temperature, chunk_size):
+    """dH / dz_j = -pi_j (log pi_j + H) / T, alone and with the log-prob's gradient, unfused and fused, with a masked
+    (-inf) logit in a row; the entropy gradient alone is not the log-prob's (the test can tell them apart)."""
+    logits, target, grad, hidden, weight = _data()
+    grad_h = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    logits[20, (target[20] + 1) % V] = float("-inf")
+    x = logits.clone().requires_grad_()
+    out = vocab_parallel_token_stats(x, target, temperature, chunk_size=chunk_size)
+    (g_both,) = torch.autograd.grad((out.logp * grad).sum() + (out.entropy * grad_h).sum(), x, retain_graph=True)
+    (g_h,) = torch.autograd.grad((out.entropy * grad_h).sum(), x)
+    assert torch.isfinite(g_both).all() and g_both[20, (target[20] + 1) % V] == 0
+    _assert_grad_close(g_both, _reference_with_entropy(logits, target, temperature, grad, grad_h))
+    zero = torch.zeros(N)
+    _assert_grad_close(g_h, _reference_with_entropy(logits, target, temperature, zero, grad_h))
+    assert (g_h.double() - _reference(logits, target, temperature, grad)["grad"]).abs().max() > 1e-2
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused = fused_vocab_parallel_token_stats(h, w, target, temperature, chunk_size=chunk_size)
+    gh, gw = torch.autograd.grad((fused.logp * grad).sum() + (fused.entropy * grad_h).sum(), (h, w))
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    z = h64 @ w64.t()
+    (g_z,) = [_reference_with_entropy(z.detach(), target, temperature, grad, grad_h)]
+    ref_h, ref_w = torch.autograd.grad(z, (h64, w64), g_z)
+    _assert_grad_close(gh, ref_h, name="fused grad_hidden")
+    _assert_grad_close(gw, ref_w, name="fused grad_weight")
 
 
 def test_peaked_rows_are_accurate_relative_to_their_size():
@@ -313,6 +353,14 @@ def _tp_rank_checks(rank: int, world_size: int, seed: int) -> dict:
     res["fwd_ops"], res["bwd_ops"] = fwd_ops.ops, bwd_ops.ops
     res["unchanged"] = torch.equal(x.detach(), before) and x._version == version
 
+    # the entropy's gradient too (an entropy bonus): still no collective in backward
+    x = _shard(logits, rank, world_size).requires_grad_()
+    out = vocab_parallel_token_stats(x, target, 0.7, group=group, chunk_size=7)
+    grad_h = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    with _CountAllReduce() as entropy_bwd_ops:
+        (g,) = torch.autograd.grad((out.logp * grad).sum() + (out.entropy * grad_h).sum(), x)
+    res["entropy_grad"], res["entropy_bwd_ops"] = g, entropy_bwd_ops.ops
+
     # extreme logits
     ext, _, _, _, _ = _data(seed, scale=1e4)
     x = _shard(ext, rank, world_size).requires_grad_()
@@ -362,6 +410,10 @@ def _check_tp(world_size: int) -> None:
         assert res["fwd_ops"][0] == ("max", (7,)) and res["fwd_ops"][1] == ("sum", (7, 6))
         assert res["bwd_ops"] == []
         assert res["unchanged"]
+    ref_entropy = _reference_with_entropy(logits, target, 0.7, grad, torch.randn(N, generator=torch.Generator().manual_seed(7)))
+    for rank, res in enumerate(results):
+        _assert_grad_close(res["entropy_grad"], _shard(ref_entropy, rank, world_size), name="grad with entropy")
+        assert res["entropy_bwd_ops"] == []
     grad_full = torch.cat([r["fp32"]["grad"] for r in results], dim=-1)
     assert grad_full.shape == (N, V)
     _assert_grad_close(grad_full, ref["grad"])

@@ -129,16 +129,13 @@ def entropy_loss(logp, old_logp, advantages, mask, cfg: PolicyLossConfig, *, glo
     """Entropy Loss: PPO clip - c * agg(H), c = ``entropy_loss_coef`` (0.001, verl's former default
     ``actor.entropy_coeff``, the entropy-bonus baseline of Cui et al. 2025; the DynaMO paper gives no value).
 
-    The value is exactly that. The trainer's entropy carries no gradient (parallel/token_stats.py), so the gradient
-    of the bonus is its score-function form: per token -c * r_t * (-(log pi_t + H_t)) * d log pi_t / D, whose
-    expectation over the sampled token a ~ pi_old is -c * dH_t / D (sum_a pi_a (log pi_a + H) d log pi_a = -dH).
+    ``entropy`` carries its exact gradient (the trainer's token statistics differentiate H w.r.t. the logits:
+    dH / dz_j = -pi_j (log pi_j + H) / T, parallel/token_stats.py), as verl's entropy term does.
     """
-    entropy = _need(entropy, "entropy", "entropy_loss").detach().to(logp.dtype)
+    entropy = _need(entropy, "entropy", "entropy_loss").to(logp.dtype)
     output = ppo_clip_loss(logp, old_logp, advantages, mask, cfg, global_denominator=global_denominator,
                            seq_ids=seq_ids)
-    surrogate = (-(logp.detach() + entropy)) * policy_ratio(logp, old_logp)
-    bonus = entropy + (surrogate - surrogate.detach())  # value H_t, gradient of the score-function surrogate
-    term = loss_agg(bonus, mask, cfg.loss_agg_mode, global_denominator, seq_ids)
+    term = loss_agg(entropy, mask, cfg.loss_agg_mode, global_denominator, seq_ids)
     loss = output.loss - cfg.entropy_loss_coef * term
     metrics = {**output.metrics, "actor/entropy_bonus": term.detach()}
     return PolicyLossOutput(loss=loss, clipped_mask=output.clipped_mask, metrics=metrics)

@@ -108,22 +108,39 @@ def chunk_stats(x: torch.Tensor, e: torch.Tensor, local_t: torch.Tensor, owned: 
 
 
 def chunk_grad_logits(x: torch.Tensor, m: torch.Tensor, z_sum: torch.Tensor, logp: torch.Tensor,
-                       grad: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
-    """d(sum_t g_t log pi_{a_t}) / d logits for one chunk, fp32, computed in place in ``x`` (raw logits, fp32 scratch).
+                       grad: torch.Tensor | None, local_t: torch.Tensor, owned: torch.Tensor, temperature: float,
+                       grad_entropy: torch.Tensor | None = None,
+                       entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """d(sum_t g_t log pi_{a_t} + sum_t g^H_t H_t) / d logits for one chunk, fp32, computed in place in ``x`` (raw
+    logits, fp32 scratch). ``grad`` (g) or ``grad_entropy`` (g^H) may be None (no gradient reaches that output).
 
     pi_j = e^{(x_j - m) / T} / Z (recomputed from the saved m and Z, no saved softmax);
     d log pi_a / d logits_j = (1[j == a] - pi_j) / T. At j = a it is written as -expm1(log pi_a) / T from the saved
     log pi_a, which stays accurate when pi_a ~= 1 (1 - pi_a would cancel).
+    dH / d logits_j = -pi_j (log pi_j + H) / T (the saved H; log pi_j = (x_j - m) / T - log Z): needs one more
+    [chunk, V/tp] buffer, allocated only when an entropy gradient arrives (an entropy bonus in the loss).
     """
-    coef = grad.to(_F32) / temperature  # g_t / T
-    p = x.sub_(m.unsqueeze(-1))
+    coef = (grad.to(_F32) if grad is not None else torch.zeros_like(z_sum)) / temperature  # g_t / T
+    d = x.sub_(m.unsqueeze(-1))
     if temperature != 1.0:
-        p.div_(temperature)
-    p.exp_().div_(z_sum.unsqueeze(-1))
-    g = p.mul_(-coef.unsqueeze(-1))  # -pi_j g / T
-    at_target = torch.where(owned, -coef * torch.expm1(logp), g.gather(-1, local_t).squeeze(-1))
-    g.scatter_(-1, local_t, at_target.unsqueeze(-1))  # (1 - pi_a) g / T at the target on its owning shard
+        d.div_(temperature)
+    if grad_entropy is None:
+        g = d.exp_().div_(z_sum.unsqueeze(-1)).mul_(-coef.unsqueeze(-1))  # -pi_j g / T
+        at_target = torch.where(owned, -coef * torch.expm1(logp), g.gather(-1, local_t).squeeze(-1))
+    else:
+        coef_h = grad_entropy.to(_F32) / temperature  # g^H_t / T
+        log_z = torch.log(z_sum)
+        d.clamp_(min=torch.finfo(_F32).min)  # masked (-inf) logits: pi_j = 0 and a finite log pi_j, never 0 * inf
+        p = torch.exp(d).div_(z_sum.unsqueeze(-1))
+        # pi_j * (-g / T - (g^H / T) (d_j - log Z + H)), in place in d; pi_j d_j first (0 for masked logits, where
+        # d_j is the most negative float and any coefficient could overflow it)
+        row = -coef - coef_h * (entropy - log_z)
+        g = d.mul_(p).mul_(-coef_h.unsqueeze(-1)).addcmul_(p, row.unsqueeze(-1))
+        del p
+        pi_a = torch.exp(logp)
+        at_target = torch.where(owned, -coef * torch.expm1(logp) - coef_h * pi_a * (logp + entropy),
+                                g.gather(-1, local_t).squeeze(-1))
+    g.scatter_(-1, local_t, at_target.unsqueeze(-1))  # (1 - pi_a) g / T (+ the entropy term) at the target
     return g
 
 

@@ -4,7 +4,7 @@ DynaMO's token-level modulation needs, for every response token t with sampled t
 pi = softmax(z / T) over the *whole* vocabulary (T = sampling temperature):
 
 * ``logp``  = log pi_a                                  (differentiable: it feeds the PPO ratio)
-* ``entropy`` H = -sum_j pi_j log pi_j                  (no gradient: gradient compensation weight)
+* ``entropy`` H = -sum_j pi_j log pi_j                  (with gradient, for an entropy bonus; detached where it weights)
 * ``sum_pi2_lambda`` = sum_j pi_j^2 Lambda_j, with Lambda_j = log pi_j + H   (no gradient)
 
 The last one is the vocabulary sum of the exact first-order entropy change (Theorem 1 of the paper, see
@@ -38,8 +38,9 @@ small H; this way they stay ~1e-7 relative. The six stacked partials are R, n_to
 
 Memory. The naive way (log_softmax + gather + entropy) materialises several [tokens, V/tp] fp32 tensors and keeps
 the softmax alive for backward. Here tokens are processed in chunks: the forward keeps fp32 scratch of
-2 x chunk x V/tp and saves, besides a *reference* to the input (not a copy), three fp32 numbers per token
-(m, Z, log pi_a); the backward recomputes pi chunk by chunk, d log pi_a / d x_j = (1[j == a] - pi_j) / T.
+2 x chunk x V/tp and saves, besides a *reference* to the input (not a copy), four fp32 numbers per token
+(m, Z, log pi_a, H); the backward recomputes pi chunk by chunk, d log pi_a / d x_j = (1[j == a] - pi_j) / T
+(and dH / d x_j = -pi_j (log pi_j + H) / T when the entropy has a gradient).
 ``fused_vocab_parallel_token_stats`` also takes the output layer in: it computes the logits chunk by chunk
 (hidden_chunk @ weight_shard^T), in forward and again in backward, so the [tokens, V/tp] logits never exist.
 
@@ -84,7 +85,7 @@ class TokenStats(NamedTuple):
     """Per-token outputs, each of shape ``target.shape``, fp32.
 
     logp:           log pi(target); differentiable w.r.t. the logits (or hidden states and weight, fused variant).
-    entropy:        H = -sum_j pi_j log pi_j; no gradient.
+    entropy:        H = -sum_j pi_j log pi_j; differentiable (dH/dx_j = -pi_j (log pi_j + H) / T).
     sum_pi2_lambda: sum_j pi_j^2 (log pi_j + H); no gradient.
     """
 
@@ -104,6 +105,11 @@ class TokenStats(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------------------------
 # logits in
+
+
+def _rows(grad: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if grad is None else grad[rows]
+
 
 
 class _VocabParallelTokenStats(torch.autograd.Function):
@@ -129,19 +135,20 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         del x_buf, e_buf
 
         # Saved: the caller's logits (a reference, not a copy; autograd's version counter catches later in-place
-        # edits), the targets and three fp32 numbers per token. No softmax.
-        ctx.save_for_backward(logits, target, m, z_sum, logp)
+        # edits), the targets and four fp32 numbers per token. No softmax.
+        ctx.save_for_backward(logits, target, m, z_sum, logp, entropy)
         ctx.temperature = temperature
         ctx.chunk = chunk
         ctx.vocab_start = vocab_start
-        ctx.mark_non_differentiable(entropy, sum_pi2_lambda)
+        ctx.mark_non_differentiable(sum_pi2_lambda)
+        ctx.set_materialize_grads(False)  # an output nothing depends on brings None, not a tensor of zeros
         return logp, entropy, sum_pi2_lambda
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logp, _grad_entropy, _grad_sum):
-        logits, target, m, z_sum, logp = ctx.saved_tensors
-        if not ctx.needs_input_grad[0] or grad_logp is None:
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum):
+        logits, target, m, z_sum, logp, entropy = ctx.saved_tensors
+        if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
             return None, None, None, None, None
         n, vocab_local = logits.shape
         grad_logits = torch.empty((n, vocab_local), dtype=logits.dtype, device=logits.device)  # input dtype
@@ -153,7 +160,8 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             local_t, owned = local_targets(target[sl], ctx.vocab_start, vocab_local)
             x = grad_logits[sl] if x_buf is None else x_buf[:sl.stop - sl.start]
             x.copy_(logits[sl])
-            g = chunk_grad_logits(x, m[sl], z_sum[sl], logp[sl], grad_logp[sl], local_t, owned, ctx.temperature)
+            g = chunk_grad_logits(x, m[sl], z_sum[sl], logp[sl], _rows(grad_logp, sl), local_t, owned,
+                                  ctx.temperature, _rows(grad_entropy, sl), entropy[sl])
             if x_buf is not None:
                 grad_logits[sl].copy_(g)  # cast to the input dtype
         # No collective: the logits shard's gradient only involves this shard's pi and the (saved) global m, Z.
@@ -179,8 +187,9 @@ def vocab_parallel_token_stats(logits: torch.Tensor, target: torch.Tensor, tempe
     Formulas (d = (logits - m) / T, m the global max): see the module docstring.
 
     Returns:
-        ``TokenStats(logp, entropy, sum_pi2_lambda)``, fp32, shape ``target.shape``; only ``logp`` has a gradient
-        (d log pi_a / d logits_j = (1[j == a] - pi_j) / T, in the dtype of ``logits``).
+        ``TokenStats(logp, entropy, sum_pi2_lambda)``, fp32, shape ``target.shape``; ``logp`` and ``entropy`` have
+        gradients (d log pi_a / d logits_j = (1[j == a] - pi_j) / T, dH / d logits_j = -pi_j (log pi_j + H) / T, in
+        the dtype of ``logits``).
     """
     lead = logits.shape[:-1]
     if tuple(target.shape) != tuple(lead):
@@ -236,21 +245,23 @@ class _FusedVocabParallelTokenStats(torch.autograd.Function):
                 x, e_buf[:x.shape[0]], local_t, owned, temperature, group)
         del chunk_logits, e_buf
 
-        ctx.save_for_backward(hidden, weight, target, m, z_sum, logp)  # references to the inputs + 3 floats/token
+        # references to the inputs + 4 floats per token
+        ctx.save_for_backward(hidden, weight, target, m, z_sum, logp, entropy)
         ctx.temperature = temperature
         ctx.group = group
         ctx.chunk = chunk
         ctx.vocab_start = vocab_start
         ctx.allreduce_grad_hidden = allreduce_grad_hidden
-        ctx.mark_non_differentiable(entropy, sum_pi2_lambda)
+        ctx.mark_non_differentiable(sum_pi2_lambda)
+        ctx.set_materialize_grads(False)  # an output nothing depends on brings None, not a tensor of zeros
         return logp, entropy, sum_pi2_lambda
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logp, _grad_entropy, _grad_sum):
-        hidden, weight, target, m, z_sum, logp = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum):
+        hidden, weight, target, m, z_sum, logp, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if grad_logp is None or not (need_h or need_w):
+        if (grad_logp is None and grad_entropy is None) or not (need_h or need_w):
             return None, None, None, None, None, None, None
         n = hidden.shape[0]
         vocab_local = weight.shape[0]
@@ -272,7 +283,8 @@ class _FusedVocabParallelTokenStats(torch.autograd.Function):
             local_t, owned = local_targets(target[sl], ctx.vocab_start, vocab_local)
             h = hidden[sl]
             x = chunk_logits(h)  # recompute this chunk's logits
-            g = chunk_grad_logits(x, m[sl], z_sum[sl], logp[sl], grad_logp[sl], local_t, owned, ctx.temperature)
+            g = chunk_grad_logits(x, m[sl], z_sum[sl], logp[sl], _rows(grad_logp, sl), local_t, owned,
+                                  ctx.temperature, _rows(grad_entropy, sl), entropy[sl])
             if low:
                 # as in the unfused path, the logits gradient is in the input dtype before the output layer's GEMMs
                 # (tensor cores on GPU); the products are accumulated in fp32.
@@ -323,8 +335,8 @@ def fused_vocab_parallel_token_stats(hidden: torch.Tensor, weight: torch.Tensor,
     accumulator (+ an fp32 [tokens, h] buffer for a low-precision TP reduction), independent of tokens x vocab.
 
     Returns:
-        ``TokenStats(logp, entropy, sum_pi2_lambda)`` as ``vocab_parallel_token_stats``; ``logp`` is differentiable
-        w.r.t. ``hidden`` and ``weight``.
+        ``TokenStats(logp, entropy, sum_pi2_lambda)`` as ``vocab_parallel_token_stats``; ``logp`` and ``entropy`` are
+        differentiable w.r.t. ``hidden`` and ``weight``.
     """
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match "

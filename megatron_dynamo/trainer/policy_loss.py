@@ -125,13 +125,14 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
         advantages = micro_batch["advantages"][seq_ids]
         valid = torch.ones_like(old_logp, dtype=torch.bool)
         logp = stats.logp
+        entropy = stats.entropy.detach()  # a weight everywhere but in an entropy bonus (stats.entropy, below)
         ratio = policy_ratio(logp.detach(), old_logp)
         clipped = ppo_clip_mask(ratio, advantages, loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.clip_ratio_c)
         final_advantages, modulation_stats = modulate_advantages(
-            advantages, stats.entropy, logp.detach(), stats.sum_pi2_lambda, ratio, clipped, valid,
+            advantages, entropy, logp.detach(), stats.sum_pi2_lambda, ratio, clipped, valid,
             seq_ids=seq_ids, cfg=modulation, scope=scope)
         if compare_scope is not None and modulation.enabled:
-            inputs = ModulationInputs(advantages=advantages, entropy=stats.entropy, mask=valid, logp=logp.detach(),
+            inputs = ModulationInputs(advantages=advantages, entropy=entropy, mask=valid, logp=logp.detach(),
                                       sum_pi2_lambda=stats.sum_pi2_lambda, ratio=ratio, clipped_mask=clipped,
                                       seq_ids=seq_ids)
             modulation_stats.update(scope_gap(modulation_factors(inputs, modulation, scope),
@@ -156,7 +157,7 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
                                     global_denominator=global_denominator, seq_ids=seq_ids,
                                     entropy=stats.entropy, selection=selection)
         metrics = {k: v.detach().float() for k, v in {**output.metrics, **modulation_stats}.items()}
-        metrics["actor/entropy"] = stats.entropy.mean() if stats.entropy.numel() else stats.entropy.new_zeros(())
+        metrics["actor/entropy"] = entropy.mean() if entropy.numel() else entropy.new_zeros(())
         metrics["loss"] = output.loss.detach()
         return output.loss, metrics
 
