@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynamo.data.dataset import GeneratedTask, MathExample, register_generated_task
+from megatron_dynamo.data.leveled import draw_leveled_problems
 
 DATA_SOURCE = "reasoning"
 #: Chain lengths (number of terms) of the task, one level each, sampled equally often.
@@ -89,24 +90,9 @@ def make_reasoning_task(num_problems: int, seed: int = 0, split: str = "train",
     if not lengths or bad:
         raise ValueError(f"chain lengths must lie in 2..40, got {list(lengths)}")
     rng = np.random.default_rng([seed, 1 if split == "test" else 0])
-    want_held_out = split == "test"
-    examples: list[MathExample] = []
-    seen: set[str] = set()
-    for index in range(num_problems):
-        length = int(lengths[index % len(lengths)])
-        for _ in range(100_000):
-            problem = _random_chain(rng, length)
-            if problem not in seen and is_held_out(problem) == want_held_out:
-                break
-        else:  # only very short chains run out (2 terms: a few hundred problems in all)
-            raise ValueError(f"cannot draw {num_problems} distinct {split} problems of {length} terms")
-        seen.add(problem)
-        answer, solution = solve(problem)
-        examples.append(MathExample(
-            id=f"{DATA_SOURCE}:{problem}", problem=problem, answer=str(answer), data_source=DATA_SOURCE,
-            extras={"level": length, "level_name": f"chain{length}", "solution": solution}))
-    order = rng.permutation(len(examples))  # mix the levels
-    return [examples[int(i)] for i in order]
+    return draw_leveled_problems(rng, num_problems, lengths, split, draw=_random_chain, is_held_out=is_held_out,
+                                 solve=lambda problem, _rng: solve(problem), data_source=DATA_SOURCE,
+                                 level_prefix="chain")
 
 
 register_generated_task(GeneratedTask(

@@ -42,6 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynamo.data.dataset import GeneratedTask, MathExample, register_generated_task
+from megatron_dynamo.data.leveled import draw_leveled_problems
 
 DATA_SOURCE = "testbed"
 #: Number of terms of the task's levels, equally often in training prompts and the held-out split.
@@ -123,24 +124,8 @@ def make_testbed_task(num_problems: int, seed: int = 0, split: str = "train",
     if not lengths or bad:
         raise ValueError(f"lengths must lie in 2..12, got {list(lengths)}")
     rng = np.random.default_rng([seed, 1 if split == "test" else 0, 26])
-    want_held_out = split == "test"
-    examples: list[MathExample] = []
-    seen: set[str] = set()
-    for index in range(num_problems):
-        length = int(lengths[index % len(lengths)])
-        for _ in range(100_000):
-            problem = _draw(rng, length)
-            if problem not in seen and is_held_out(problem) == want_held_out:
-                break
-        else:  # short sums run out: 3 terms have only 43 held-out orderings, 4 terms 608
-            raise ValueError(f"cannot draw {num_problems} distinct {split} problems of {length} terms")
-        seen.add(problem)
-        answer, solution = solve(problem, rng)
-        examples.append(MathExample(
-            id=f"{DATA_SOURCE}:{problem}", problem=problem, answer=str(answer), data_source=DATA_SOURCE,
-            extras={"level": length, "level_name": f"sum{length}", "solution": solution}))
-    order = rng.permutation(len(examples))  # mix the levels
-    return [examples[int(i)] for i in order]
+    return draw_leveled_problems(rng, num_problems, lengths, split, draw=_draw, is_held_out=is_held_out,
+                                 solve=solve, data_source=DATA_SOURCE, level_prefix="sum")
 
 
 def make_warmup_problems(num_problems: int, seed: int) -> list[MathExample]:
