@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from megatron_dynamo.algorithms import (
-    broadcast_to_tokens,
     get_advantage_estimator,
     group_advantages,
     register_advantage_estimator,
@@ -112,7 +111,3 @@ def test_registry():
         register_advantage_estimator("grpo")(centred)
 
 
-def test_broadcast_to_tokens():
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    got = broadcast_to_tokens(torch.tensor([0.5, -2.0]), mask)
-    torch.testing.assert_close(got, torch.tensor([[0.5, 0.5, 0.0], [-2.0, 0.0, 0.0]]))

@@ -14,7 +14,6 @@ from megatron_dynamo.algorithms import (
     PromptHistory,
     allocate_rollouts,
     bernoulli_variance,
-    optimal_variance_ratio,
     plan_rollouts,
     predicted_variance_ratio,
     prompt_variances,
@@ -302,7 +301,7 @@ def test_predicted_variance_ratio():
     variances = np.array([0.25, 0.16, 0.04, 0.01])
     sigma = np.sqrt(variances)
     optimum = 400 * sigma / sigma.sum()
-    assert predicted_variance_ratio(variances, optimum) == pytest.approx(optimal_variance_ratio(variances))
-    assert optimal_variance_ratio(variances) == pytest.approx(sigma.sum() ** 2 / (4 * variances.sum()))
+    # eq. 23: (sum sigma)^2 / (N sum sigma^2) = (0.5 + 0.4 + 0.2 + 0.1)^2 / (4 * 0.46), by hand
+    assert predicted_variance_ratio(variances, optimum) == pytest.approx(1.2 ** 2 / (4 * 0.46))
     with pytest.raises(ValueError, match="0 rollouts"):
         predicted_variance_ratio([0.1, 0.2], [0, 4])

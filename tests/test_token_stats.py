@@ -174,8 +174,9 @@ def test_entropy_change_factor_is_the_first_order_entropy_change():
     (dh_dz,) = torch.autograd.grad(entropy.sum(), z)  # rows are independent
     step = torch.nn.functional.one_hot(target, V).double() - p.detach()
     expected = -(dh_dz * step).sum(-1)
-    factor = out.entropy_change_factor()
-    assert not factor.requires_grad
+    assert not out.sum_pi2_lambda.requires_grad
+    logp = out.logp.detach()
+    factor = torch.exp(logp) * (logp + out.entropy.detach()) - out.sum_pi2_lambda  # pi_a Lambda_a - sum pi^2 Lambda
     torch.testing.assert_close(factor.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 

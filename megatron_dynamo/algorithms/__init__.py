@@ -11,7 +11,6 @@
 """
 
 from .advantages import (
-    broadcast_to_tokens,
     get_advantage_estimator,
     group_advantages,
     register_advantage_estimator,
@@ -22,7 +21,6 @@ from .allocation import (
     allocate_rollouts,
     bernoulli_variance,
     factorize_prompt_ids,
-    optimal_variance_ratio,
     plan_rollouts,
     predicted_variance_ratio,
     prompt_variances,
@@ -68,7 +66,6 @@ __all__ = [
     "bernoulli_variance",
     "beta_comp",
     "beta_stab",
-    "broadcast_to_tokens",
     "compute_actor_loss",
     "delta_h_exact",
     "delta_h_sequence_mean",
@@ -82,7 +79,6 @@ __all__ = [
     "mini_batch_selection",
     "modulate_advantages",
     "modulation_scope",
-    "optimal_variance_ratio",
     "plan_rollouts",
     "policy_ratio",
     "ppo_clip_loss",

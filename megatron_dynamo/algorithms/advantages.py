@@ -97,14 +97,8 @@ def grpo_advantages(rewards: Any, prompt_ids: Any, normalize_std: bool = True, e
     return group_advantages(rewards, prompt_ids, normalize_std=normalize_std, eps=eps)
 
 
-def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sequence-level advantages [B] to token level [B, T] (A_{i,t} = A_i on valid tokens, 0 on padding)."""
-    return advantages.unsqueeze(-1) * mask.to(advantages.dtype)
-
-
 __all__ = [
     "AdvantageEstimator",
-    "broadcast_to_tokens",
     "get_advantage_estimator",
     "group_advantages",
     "grpo_advantages",

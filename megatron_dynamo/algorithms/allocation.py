@@ -371,15 +371,6 @@ def predicted_variance_ratio(variances: ArrayLike, counts: ArrayLike) -> float:
     return chosen / uniform
 
 
-def optimal_variance_ratio(variances: ArrayLike) -> float:
-    """Eq. 23: (sum sigma_i)^2 / (N sum sigma_i^2), the ratio reached by n ~ sigma without bounds; 1.0 if all 0."""
-    variance = _to_numpy(variances).reshape(-1)
-    if variance.size == 0 or not (variance > 0).any():
-        return 1.0
-    sigma = np.sqrt(variance)
-    return float(sigma.sum() ** 2 / (variance.size * variance.sum()))
-
-
 def plan_rollouts(history: PromptHistory, prompt_ids: ArrayLike, cfg: AllocationConfig) -> np.ndarray:
     """Counts for one step: P from the history (eq. 2 + fill-in rule), then ``allocate_rollouts`` with budget
     N * n_avg; uniform n_avg per prompt when DRA is switched off (``cfg.enabled=False``)."""

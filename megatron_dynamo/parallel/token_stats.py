@@ -10,7 +10,7 @@ pi = softmax(z / T) over the *whole* vocabulary (T = sampling temperature):
 The last one is the vocabulary sum of the exact first-order entropy change (Theorem 1 of the paper, see
 ``shared/notes/DYNAMO.md``): a policy-gradient step that moves the logits by eta * xi_t * (e_a - pi) changes H by
     Delta H_t ~= -eta * xi_t * (pi_a Lambda_a - sum_j pi_j^2 Lambda_j)
-(``TokenStats.entropy_change_factor`` returns the bracket).
+(``algorithms.modulation.delta_h_exact`` forms it from these three statistics).
 
 The vocabulary is sharded across the tensor-parallel (TP) group as in Megatron's vocab-parallel output layer:
 rank r of a group of size tp holds the global ids [r * V/tp, (r + 1) * V/tp). Everything is computed from
@@ -92,15 +92,6 @@ class TokenStats(NamedTuple):
     logp: torch.Tensor
     entropy: torch.Tensor
     sum_pi2_lambda: torch.Tensor
-
-    def entropy_change_factor(self) -> torch.Tensor:
-        """pi_a Lambda_a - sum_j pi_j^2 Lambda_j (detached), with Lambda_a = log pi_a + H.
-
-        A step that moves the logits of this token by eta * xi * (e_a - pi) changes its entropy by
-        -eta * xi * factor to first order, so Xi_t = |Delta H_t| is proportional to |xi_t * factor_t|.
-        """
-        logp = self.logp.detach()
-        return torch.exp(logp) * (logp + self.entropy) - self.sum_pi2_lambda
 
 
 # ----------------------------------------------------------------------------------------------------------------
