@@ -3,6 +3,7 @@ tensors whose expected values are written out by hand (or in numpy float64 from 
 code under test. Clip-COV and KL-COV against verl's compute_policy_loss_clip_cov / _kl_cov, evaluated by hand."""
 
 import math
+from dataclasses import replace as dataclass_replace
 import os
 
 import numpy as np
@@ -222,3 +223,37 @@ def test_compute_actor_loss_passes_entropy_and_selection_on():
     out = compute_actor_loss(logp, torch.zeros(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64),
                              torch.ones(5, dtype=torch.bool), cfg, selection=weights)
     assert out.loss.item() == pytest.approx(-1.0)
+
+
+def test_the_trainers_loss_gives_dynamo_loss_entropy_coef_its_exact_gradient(monkeypatch):
+    """dynamo.loss.entropy_coef (accepted now that the entropy is differentiable) through the trainer's loss function
+    on logits [B, S, V]: the logits' gradient equals float64 autograd of PPO - c * token-mean(H) (GRPO: no
+    modulation), and differs from the one without the bonus. Was refused by the config before (no gradient)."""
+    from megatron_dynamo.trainer.config import load_run_config
+    from megatron_dynamo.trainer import policy_loss
+    from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn
+
+    monkeypatch.setattr(policy_loss, "_tp_group", lambda: None)  # one process, no Megatron parallel state
+    run = load_run_config(CPU_DEFAULT, ["dynamo.loss.entropy_coef=0.05"], algo="grpo")
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 4, 9, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 9, (2, 4), generator=gen)
+    loss_mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    logpi = torch.log_softmax(logits, -1)
+    old = (logpi.gather(-1, labels[..., None]).squeeze(-1) - 0.02).float()
+    batch = {"labels": labels, "loss_mask": loss_mask, "old_logp": old, "advantages": torch.tensor([0.7, -1.2])}
+    grads = {}
+    for coef in (0.05, 0.0):
+        cfg = dataclass_replace(run.dynamo.loss, entropy_coef=coef)
+        z = logits.float().requires_grad_()
+        loss, _ = dynamo_loss_fn(run.dynamo.modulation, cfg, None, 5.0, 1.0)(z, batch)
+        loss.backward()
+        grads[coef] = z.grad.double()
+    z64 = logits.clone().requires_grad_()
+    lp = torch.log_softmax(z64, -1)
+    logp = lp.gather(-1, labels[..., None]).squeeze(-1)[loss_mask]
+    h = -(lp.exp() * lp).sum(-1)[loss_mask]
+    adv = torch.tensor([0.7, -1.2], dtype=torch.float64)[torch.tensor([0, 0, 0, 1, 1])]
+    (-(adv * torch.exp(logp - old[loss_mask].double())).sum() / 5.0 - 0.05 * h.sum() / 5.0).backward()
+    torch.testing.assert_close(grads[0.05], z64.grad, rtol=1e-5, atol=1e-6)
+    assert (grads[0.05] - grads[0.0]).abs().max() > 1e-3

@@ -170,11 +170,10 @@ class DynamoConfig:
         if self.loss.name == "fork_tokens" and self.loss.loss_agg_mode != "token-mean":
             raise ValueError("loss.name fork_tokens needs loss.loss_agg_mode token-mean (its source's token mean "
                              "over the selected tokens)")
-        # The paper trains with both at 0; the trainer has no reference model for the KL term yet, and the
-        # vocab-parallel routine returns the entropy without gradient.
-        if self.loss.kl_coef != 0 or self.loss.entropy_coef != 0:
-            raise ValueError("loss.kl_coef and loss.entropy_coef must be 0 in this trainer (no reference model, "
-                             "entropy without gradient); the paper uses 0 for both")
+        # The paper trains with kl_coef 0; the trainer has no reference model for the KL term yet. (entropy_coef
+        # works: the vocab-parallel routine differentiates the entropy.)
+        if self.loss.kl_coef != 0:
+            raise ValueError("loss.kl_coef must be 0 in this trainer (no reference model); the paper uses 0")
         if self.token_stats_chunk is not None and self.token_stats_chunk < 1:
             raise ValueError(f"token_stats_chunk must be None or >= 1, got {self.token_stats_chunk}")
 
