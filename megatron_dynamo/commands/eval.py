@@ -122,12 +122,6 @@ def _eval_config(args, template: str):
     return config
 
 
-def _launched_externally() -> bool:
-    from megatron_dynamo.parallel.runtime import launcher
-
-    return launcher() != "single"
-
-
 def _external_rank() -> tuple[int, int]:
     """(rank, world size) under torchrun / srun."""
     from megatron_dynamo.parallel.runtime import detect_launch
@@ -186,18 +180,6 @@ def evaluate_on_rank(rank: int, world_size: int, job: EvalJob):
     return summary if rank == 0 else None
 
 
-def _describe(exc: BaseException) -> str:
-    """What a failed rank reports: one line for the errors a user can act on, else the traceback."""
-    import traceback
-
-    from megatron_dynamo.eval.runner import EvalError
-    from megatron_dynamo.rollout.vllm_engine import VLLMNotAvailableError
-
-    if isinstance(exc, (EvalError, ValueError, FileNotFoundError, VLLMNotAvailableError)):
-        return str(exc)
-    return "".join(traceback.format_exception(exc)).rstrip()
-
-
 def _init_external_group() -> None:
     """Under torchrun / srun: this process's rank of the job's process group (NCCL with one GPU per rank, gloo on
     CPU). A long timeout: the other ranks wait while rank 0 converts a Megatron checkpoint."""
@@ -227,11 +209,12 @@ def _init_external_group() -> None:
 
 def run(args) -> int:
     from megatron_dynamo import library_logs
+    from megatron_dynamo.parallel import runtime
 
     library_logs.apply(args.verbose)  # the table and the progress, not vLLM's start-up chatter (see library_logs)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    external = _launched_externally()
+    external = runtime.launched_externally()
     rank, world = _external_rank() if external else (0, args.nproc if args.nproc is not None else 1)
 
     def fail(message) -> int:
@@ -307,9 +290,11 @@ def run(args) -> int:
             summary = evaluate_on_rank(rank, world, job)
         else:
             from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
+            from megatron_dynamo.rollout.vllm_engine import VLLMNotAvailableError
 
             try:
-                summary = run_on_ranks(evaluate_on_rank, world, job, describe=_describe)[0]
+                summary = run_on_ranks(evaluate_on_rank, world, job, user_errors=(
+                    EvalError, ValueError, FileNotFoundError, VLLMNotAvailableError))[0]
             except RankError as exc:
                 return fail(exc)
     except EvalError as exc:

@@ -50,7 +50,7 @@ def failure_text(exc: BaseException, user_errors: tuple[type[BaseException], ...
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
-def _worker(rank, world_size, port, out_dir, fn, args, describe, parent_pid=None, user_errors=()):
+def _worker(rank, world_size, port, out_dir, fn, args, parent_pid=None, user_errors=()):
     from megatron_dynamo.parallel.process_guard import die_with_parent
 
     with contextlib.suppress(OSError):
@@ -69,7 +69,7 @@ def _worker(rank, world_size, port, out_dir, fn, args, describe, parent_pid=None
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        torch.save({"ok": False, "error": describe(exc) if describe else failure_text(exc, user_errors)}, path)
+        torch.save({"ok": False, "error": failure_text(exc, user_errors)}, path)
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -108,18 +108,18 @@ def _wait_for_ranks(processes, stop_grace: float) -> None:
         wait([p.sentinel for p in running], timeout=0.5)
 
 
-def run_on_ranks(fn, world_size: int, *args, user_errors: tuple[type[BaseException], ...] = (), describe=None,
+def run_on_ranks(fn, world_size: int, *args, user_errors: tuple[type[BaseException], ...] = (),
                  forward=(), stop_grace: float = 60.0):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the list of results by rank.
     A failing rank reports :func:`failure_text` ``(exc, user_errors)`` (its message for those errors, else its
-    traceback), or ``describe(exc) -> str`` (module-level) when given.
+    traceback).
     ``forward``: signals this process sends on to the ranks while they run (main thread only); after one, ranks
     still running when another failed get ``stop_grace`` seconds to finish before they are killed."""
     from megatron_dynamo.parallel.stop_signals import forward_signals
 
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        context = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, describe, os.getpid(),
+        context = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, os.getpid(),
                                                     user_errors),
                                      nprocs=world_size, join=False, start_method="spawn")
         processes = context.processes
