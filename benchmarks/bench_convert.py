@@ -74,7 +74,7 @@ def _child(argv: list[str]) -> None:
 
     import checkpoints_convert.convert  # noqa: F401
     import megatron_dynamo.models.export  # noqa: F401
-    import megatron_dynamo.trainer.actor  # noqa: F401
+    import megatron_dynamo.models.megatron_model  # noqa: F401
     from checkpoints_convert.cli import main
     from megatron_dynamo.parallel import runtime
 

@@ -116,7 +116,7 @@ def _hf_to_megatron_rank(hf_dir: str, arch: QwenArchitecture, dtype: str, tp: in
     from megatron_dynamo.models.checkpoint_io import save_model_checkpoint
     from megatron_dynamo.models.mappings import load_hf_weights
     from megatron_dynamo.parallel import runtime
-    from megatron_dynamo.trainer.actor import MegatronActor
+    from megatron_dynamo.models.megatron_model import MegatronModel
 
     info = runtime.init_distributed(runtime.ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0)
     reader = HFCheckpointReader(hf_dir)
@@ -138,15 +138,15 @@ def _hf_to_megatron_rank(hf_dir: str, arch: QwenArchitecture, dtype: str, tp: in
     # perform_initialization=False: every parameter is overwritten from the checkpoint (load_hf_weights checks
     # that each one has a mapping), so random initialisation would be wasted time. Untouched parameters of
     # torch.empty are not even resident, so memory grows only as parameters are filled.
-    actor = MegatronActor(arch, dtype=dtype, optim=None, perform_initialization=False)
+    model = MegatronModel(arch, dtype=dtype, perform_initialization=False)
     # Row streaming: big tensors (embeddings, fused QKV/fc1 parts) go from the file into the parameter in
     # bounded pieces; only row-parallel weights (o_proj, down_proj: one layer each) are read whole.
-    load_hf_weights(actor.chunks, arch, lambda name: count(name, reader.get(name)), actor.use_te,
+    load_hf_weights(model.chunks, arch, lambda name: count(name, reader.get(name)), model.use_te,
                     read_rows=lambda name, start, stop: count(name, reader.read_rows(name, start, stop)),
                     hf_shapes=reader.shapes())
     if info.rank == 0 and not quiet:
         _stderr(f"hf-to-megatron: writing the distributed checkpoint (tp={tp}, pp={pp})")
-    save_model_checkpoint(actor.chunks, out, release_params=True, max_item_bytes=max_item_bytes)
+    save_model_checkpoint(model.chunks, out, release_params=True, max_item_bytes=max_item_bytes)
     return {"tensors_read": progress.count, "bytes_read": progress.bytes}
 
 
@@ -204,19 +204,19 @@ def _megatron_to_hf_rank(megatron_dir: str, tp: int, pp: int, out: str, out_dtyp
     from megatron_dynamo.models.checkpoint_io import load_model_checkpoint
     from megatron_dynamo.models.export import iter_hf_weights
     from megatron_dynamo.parallel import runtime
-    from megatron_dynamo.trainer.actor import MegatronActor
+    from megatron_dynamo.models.megatron_model import MegatronModel
 
     info = runtime.init_distributed(runtime.ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0)
     ckpt = read_checkpoint_info(megatron_dir)
-    actor = MegatronActor(ckpt.arch, dtype=ckpt.dtype, optim=None, perform_initialization=False)
-    load_model_checkpoint(actor.chunks, ckpt.directory)
+    model = MegatronModel(ckpt.arch, dtype=ckpt.dtype, perform_initialization=False)
+    load_model_checkpoint(model.chunks, ckpt.directory)
     dtype = torch_dtype(out_dtype)
     shapes = hf_parameter_shapes(ckpt.arch)
     writer = None
     if info.rank == 0:
         writer = SafetensorsShardWriter(out, [(n, s, dtype) for n, s in shapes.items()], max_shard_bytes)
     progress = Progress("megatron-to-hf", len(shapes), _quiet if quiet else _stderr, enabled=info.rank == 0)
-    for name, tensor in iter_hf_weights(actor.chunks, ckpt.arch, actor.use_te, dst_rank=0, dtype=dtype):
+    for name, tensor in iter_hf_weights(model.chunks, ckpt.arch, model.use_te, dst_rank=0, dtype=dtype):
         writer.write(name, tensor)
         progress.update(tensor)
     if writer is not None:
@@ -288,18 +288,18 @@ def _verify_rank(megatron_dir: str, tp: int, pp: int, input_ids: torch.Tensor) -
 
     from megatron_dynamo.models.checkpoint_io import load_model_checkpoint
     from megatron_dynamo.parallel import runtime
-    from megatron_dynamo.trainer.actor import MegatronActor
+    from megatron_dynamo.models.megatron_model import MegatronModel
 
     runtime.init_distributed(runtime.ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0)
     ckpt = read_checkpoint_info(megatron_dir)
-    actor = MegatronActor(ckpt.arch, dtype=ckpt.dtype, optim=None, perform_initialization=False)
-    load_model_checkpoint(actor.chunks, ckpt.directory)
+    model = MegatronModel(ckpt.arch, dtype=ckpt.dtype, perform_initialization=False)
+    load_model_checkpoint(model.chunks, ckpt.directory)
 
     def keep_logits(logits: torch.Tensor, micro_batch):
         full = tensor_parallel.gather_from_tensor_model_parallel_region(logits.detach())
         return logits.sum() * 0.0, {"logits": full}
 
-    results = actor.forward_backward([{"input_ids": input_ids}], keep_logits, forward_only=True)
+    results = model.forward_backward([{"input_ids": input_ids}], keep_logits, forward_only=True)
     if results and parallel_state.get_tensor_model_parallel_rank() == 0:
         return results[0]["logits"].float()
     return None

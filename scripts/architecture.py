@@ -7,6 +7,9 @@
 - **upward imports**: an import from a lower layer to a higher one (:data:`LAYERS`, top to bottom); packages of
   one layer may import each other as long as that makes no circle;
 - **Megatron or vLLM in algorithms/**: the DynaMO maths stays plain torch/numpy;
+- **the converter's narrow base** (:data:`ONLY_IMPORTS`): ``checkpoints_convert`` is an entry point, but shares the
+  model code with the trainer through ``models/`` and never imports the trainer (or anything but ``models``,
+  ``parallel``, ``data`` and the base);
 - **private names across modules**: ``from m import _x``, or ``m._x`` on an imported module or an imported name
   (``StepRunner._update``), where ``m`` is another module of the project;
 - **modules over 400 lines** (``MAX_LINES``), benchmarks included.
@@ -46,6 +49,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "standard-library helpers every layer may use: YAML config plumbing, CPU counts, library log routing"),
 )
 NO_IMPORTS = {"algorithms": ("megatron", "vllm")}
+# A package here may import only these packages of the project (its own modules aside).
+ONLY_IMPORTS = {"checkpoints_convert": ("models", "parallel", "data") + LAYERS[-1][1]}
 
 
 def layer_of(package: str) -> int:
@@ -250,6 +255,9 @@ def analyse(root: Path = ROOT, sources: tuple[str, ...] = SOURCES, max_lines: in
         a, b = package_of(imp.source), package_of(imp.target)
         if a != b:
             package_edges.setdefault(a, set()).add(b)
+            if a in ONLY_IMPORTS and b not in ONLY_IMPORTS[a]:
+                report.forbidden.append(f"{modules[imp.source].rel}:{imp.line}: {imp.source} imports {imp.target} "
+                                        f"({a}/ imports only {', '.join(ONLY_IMPORTS[a])})")
             try:
                 up = layer_of(b) < layer_of(a)
             except KeyError as err:
