@@ -207,8 +207,31 @@ def collect_imports(modules: dict[str, Module]) -> tuple[list[Import], list[str]
     return imports, forbidden, private
 
 
+def cycle_path(component: list[str], edges: dict[str, set[str]]) -> list[str]:
+    """One real circle inside a strongly connected component: the shortest path of imports from its smallest name
+    back to it (breadth first), so that ``a -> b -> c -> a`` names imports that exist."""
+    start, members = min(component), set(component)
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(edges.get(node, ())):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return path[::-1]
+                if nxt in members and nxt not in parent:
+                    parent[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise ValueError(f"no circle through {start}")  # cannot happen in a strongly connected component
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one node (Tarjan), each from its smallest name."""
+    """The strongly connected components with more than one node (Tarjan), each as one circle of imports through its
+    smallest name (:func:`cycle_path`; the other members of a larger component are reached by other circles)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -234,7 +257,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
                 if top == node:
                     break
             if len(component) > 1:
-                found.append(sorted(component))
+                found.append(cycle_path(component, edges))
 
     for node in sorted(edges):
         if node not in index:
