@@ -16,10 +16,11 @@ share of a step's prompts (docs/rollout.md).
 Output: <trainer.output_dir>/metrics.jsonl, prompts.jsonl, tensorboard/, reward_curve.png, checkpoints/
 (rollouts.jsonl with logging.rollouts=true).
 
-Stopping: SIGINT (Ctrl-C) or SIGTERM stops the run after the current step: every rank stops after the same step,
-that step's checkpoint is saved (if it was not already), the rollout engine and reward workers are shut down, and
-the command exits with a line naming the saved step (exit status 130 for SIGINT, 143 for SIGTERM); --resume
-continues from it. A second signal stops at once, without a checkpoint. With --nproc > 1 the signal goes to this
+Stopping: SIGINT (Ctrl-C), SIGTERM or SIGUSR1 (Slurm's time-limit notice, --signal=USR1@300) stops the run after
+the current step: every rank stops after the same step, that step's checkpoint is saved (if it was not already), the
+rollout engine and reward workers are shut down, and the command exits with a line naming the saved step (exit status
+130 for SIGINT, 143 for SIGTERM); --resume continues from it. A second SIGINT or SIGTERM stops at once, without a
+checkpoint; a repeated SIGUSR1 is ignored. With --nproc > 1 the signal goes to this
 process, which passes it on to the ranks; under torchrun/srun every rank must receive it. However the run ends
 (kill -9 included), a watchdog process stops whatever it started (ranks, reward workers), within a few seconds.
 The reward workers run in sessions of their own, so Ctrl-C at a terminal reaches the trainer only; a signal sent

@@ -54,8 +54,8 @@ def train_on_rank(rank, world_size, run, resume):
         from megatron_dynamo import library_logs
 
         library_logs.install()  # a spawned rank (--nproc) starts without the launcher's filters (library_logs.WARNINGS)
-    with stop_on_signals("dynamo train: {signal} received: stopping after the current step (send it again to stop "
-                         "at once)" if rank == 0 else None), children_in_own_session():
+    with stop_on_signals("dynamo train: {signal} received: stopping after the current step (SIGINT or SIGTERM "
+                         "again stops at once)" if rank == 0 else None), children_in_own_session():
         trainer = Trainer(run, resume=resume)
         try:
             history = trainer.train()
