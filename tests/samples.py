@@ -15,3 +15,9 @@ def random_samples(vocab: int, seed: int, count: int = 6):
         response = tuple(torch.randint(1, vocab, (3 + 2 * i,), generator=g).tolist())
         samples.append(Sample(i, f"p{i // 2}", prompt, response, reward=float(i % 2), advantage=1.0 - 0.5 * i))
     return samples
+
+
+def perturbed_old_logp(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Old log-probs a little off the current ones (``stats``: per sample index, the token stats' ``logp``), so that
+    ratios differ from 1 and some tokens clip."""
+    return {i: v["logp"] + 0.3 * torch.sin(torch.arange(v["logp"].numel()) + i) for i, v in stats.items()}

@@ -10,7 +10,7 @@ import torch
 
 from hf_reference import REPO, TINY_QWEN2
 from multiproc import run_on_ranks
-from samples import random_samples
+from samples import perturbed_old_logp, random_samples
 
 CPU_DEFAULT = f"{REPO}/configs/cpu_default.yaml"
 # Parameters that make the selections non-trivial on ~60 tokens (the defaults select one token of a few hundred).
@@ -53,8 +53,7 @@ def _worker(rank, world_size, parallel, cases):
                             rollout_dtype=torch.float32)
         micro = runner.micro_batches_for(samples)
         stats = runner._token_stats(micro)
-        # old log-probs a little off the current ones: ratios differ from 1 and some tokens clip
-        old = {i: v["logp"] + 0.3 * torch.sin(torch.arange(v["logp"].numel()) + i) for i, v in stats.items()}
+        old = perturbed_old_logp(stats)
         for mb in micro:
             if last:
                 scatter_token_values(mb, old, "old_logp")

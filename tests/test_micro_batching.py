@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_reference import REPO, TINY_QWEN2
+from samples import perturbed_old_logp
 from multiproc import run_on_ranks
 from megatron_dynamo.trainer.actor import block_causal_mask, pad_micro_batches
 from megatron_dynamo.trainer.batch import (Sample, balance_over_ranks, build_micro_batches, gather_token_values,
@@ -219,8 +220,7 @@ def _update_worker(rank, world_size, cases):
                             rollout_dtype=torch.float32)
         micro = runner.micro_batches_for(samples)
         stats = runner._token_stats(micro)
-        # Old log-probs a little off the current ones, so that ratios differ from 1 and some tokens clip.
-        old = {i: v["logp"] + 0.3 * torch.sin(torch.arange(v["logp"].numel()) + i) for i, v in stats.items()}
+        old = perturbed_old_logp(stats)
         for mb in micro:
             scatter_token_values(mb, old, "old_logp")
         modulation, loss_cfg = run.dynamo.modulation, run.dynamo.loss
