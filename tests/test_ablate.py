@@ -274,7 +274,7 @@ class FakeTrainer:
         for step in range(start + 1, steps + 1):
             reward = 0.3 + 0.05 * step + 0.02 * dra + 0.01 * gc + 0.005 * ums + 0.001 * seed + 0.003 * (power < 1)
             row = {"step": step, "reward_mean": reward, "rollouts": 32, "variance_ratio": 0.8 if dra else 1.0,
-                   "response_length_mean": 5.0}
+                   "response_length_mean": 5.0, "entropy_mean": 1.0 - 0.1 * step + 0.05 * gc}
             if gc or ums:
                 row["modulation/scale_mean"] = 1.0 + 0.1 * gc - 0.05 * ums
             if step == steps:
@@ -374,7 +374,11 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
         (0.25 / 4 + 2 / 9 / 12) / ((0.25 + 2 / 9) / 8))
     assert a["per_variant"]["grpo"]["modulation"]["modulation/scale_mean"] is None
     assert a["per_variant"]["gc"]["modulation"]["modulation/scale_mean"] == pytest.approx(1.1)
+    # the entropy trajectory: the first and the last tenth of the steps (one step each at this length)
+    assert a["per_variant"]["gc"]["entropy_first"]["mean"] == pytest.approx(1.0 - 0.1 + 0.05)
+    assert a["per_variant"]["grpo"]["entropy_final"]["mean"] == pytest.approx(1.0 - 0.1 * STEPS)
     md = (out / "ablation.md").read_text()
+    assert "0.950 -> " in md
     assert "2 seed(s)" in md and "crude" in md and "| DynaMO | dynamo |" in md
     assert "Baselines (paper Table 1 layout)" not in md  # none of the seven was run
     assert (out / "ablation.png").stat().st_size > 0 and (out / "report" / "report.html").is_file()

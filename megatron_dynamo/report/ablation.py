@@ -42,7 +42,8 @@ def analyse(summaries: Mapping[tuple[str, int], Mapping[str, Any]], variants: Se
 
     Per variant: mean [CI] of pass@1, pass@k (the benchmarks' mean, and per benchmark), final reward, rollouts to threshold (censored as the budget, with
     the number of censored seeds), predicted / realised variance ratio, zero-advantage share, and per-step means of
-    the modulation diagnostics and response length (mean over seeds). Paired by seed: each variant - GRPO (pass@1,
+    the modulation diagnostics and response length (mean over seeds), and the mean token entropy of the first and the
+    last tenth of the steps. Paired by seed: each variant - GRPO (pass@1,
     pass@k), DynaMO - GRPO, power 0.5 - power 1, and the marginal effects of DRA, GC and UMS.
     """
     metrics = ("pass@1", f"pass@{k}")
@@ -71,7 +72,7 @@ def analyse(summaries: Mapping[tuple[str, int], Mapping[str, Any]], variants: Se
         entry: dict[str, Any] = {"label": SFT_LABEL if name == SFT else VARIANTS[name].label,
                                  "runs": sum((name, s) in summaries for s in seeds)}
         for key in (*metrics, "final_reward", "variance_ratio_predicted", "variance_ratio_realised",
-                    "zero_advantage_share", "response_length_mean"):
+                    "zero_advantage_share", "response_length_mean", "entropy_first", "entropy_final"):
             entry[key] = ci(per_seed(name, key))
         entry["benchmarks"] = {bench: {m: ci(per_seed_eval(name, f"eval/{bench}/{m}"))
                                        for m in metrics} for bench in benchmarks}

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from megatron_dynamo.report.ablation_variants import COMPONENTS, variant_with
-from megatron_dynamo.report.thresholds import summarize_run
+from megatron_dynamo.report.thresholds import head_mean, summarize_run, tail_mean
 
 # Per-step diagnostics averaged per run, then over seeds (docs/metrics.md).
 MODULATION_KEYS = ("modulation/scale_mean", "modulation/scale_p10", "modulation/scale_p90",
@@ -194,7 +194,8 @@ def run_summary(records: Sequence[Mapping[str, Any]], prompts: Sequence[Mapping[
     """One run's numbers: held-out pass@1 / pass@k (``eval/avg/...`` of the row ``eval_step``), the threshold
     numbers (``rollouts_to_threshold`` None when not reached; ``rollouts_to_threshold_censored`` = that or
     ``budget``), final train reward, the per-step means of the variance ratio / modulation diagnostics / response
-    length, the realised variance ratio and the zero-advantage share."""
+    length, the mean token entropy of the first and the last tenth of the steps, the realised variance ratio and
+    the zero-advantage share."""
     evals = eval_at(records, eval_step)
     out: dict[str, Any] = {"pass@1": evals.get("eval/avg/pass@1"), f"pass@{k}": evals.get(f"eval/avg/pass@{k}"),
                            "eval": evals}
@@ -208,6 +209,9 @@ def run_summary(records: Sequence[Mapping[str, Any]], prompts: Sequence[Mapping[
         out["rollouts_to_threshold_censored"] = reached if reached is not None else budget
         out["variance_ratio_predicted"] = step_mean(records, "variance_ratio")
         out["response_length_mean"] = step_mean(records, "response_length_mean")
+        # the entropy trajectory (GC / UMS act on it): mean token entropy of the first and the last tenth of the steps
+        entropy = [float(v) for v in (finite_number(r.get("entropy_mean")) for r in train) if v is not None]
+        out["entropy_first"], out["entropy_final"] = head_mean(entropy), tail_mean(entropy)
         keys = list(MODULATION_KEYS)
         for r in train:
             keys.extend(key for key in r if _SHARE_KEY.match(key) and key not in keys)

@@ -132,6 +132,11 @@ def effects_table(analysis: Mapping[str, Any]) -> str:
     return _markdown(header, rows)
 
 
+def _entropy_trajectory(entry: Mapping[str, Any]) -> str:
+    first, final = entry["entropy_first"]["mean"], entry["entropy_final"]["mean"]
+    return "-" if first is None or final is None else f"{first:.3f} -> {final:.3f}"
+
+
 def diagnostics_table(analysis: Mapping[str, Any]) -> str:
     """Eq. 23 variance ratio (predicted, realised), zero-advantage share, modulation diagnostics; every variant."""
     per = analysis["per_variant"]
@@ -142,7 +147,8 @@ def diagnostics_table(analysis: Mapping[str, Any]) -> str:
             if key not in mod_keys:
                 mod_keys.append(key)
     header = ["variant", "predicted var. ratio (eq. 23)", "realised var. ratio", "zero-adv. groups (%)",
-              *[key.removeprefix("modulation/") for key in mod_keys], "response length"]
+              *[key.removeprefix("modulation/") for key in mod_keys], "response length",
+              "entropy first -> last tenth (nats)"]
     rows = []
     for name in order:
         e = per[name]
@@ -151,7 +157,7 @@ def diagnostics_table(analysis: Mapping[str, Any]) -> str:
                      fmt_ci(e["zero_advantage_share"]),
                      *[f"{mod[key]:.3f}" if mod.get(key) is not None else "-" for key in mod_keys],
                      f"{e['response_length_mean']['mean']:.2f}" if e["response_length_mean"]["mean"] is not None
-                     else "-"])
+                     else "-", _entropy_trajectory(e)])
     return _markdown(header, rows)
 
 
@@ -189,6 +195,8 @@ def format_markdown(analysis: Mapping[str, Any], *, title: str, settings_line: s
         "`variance_ratio` (from the prompt history before sampling). Realised: from prompts.jsonl, per step "
         "sum p(1-p)/n_i over sum p(1-p)/n_uniform with each group's own success rate p (1 for a uniform "
         "allocation). Zero-adv. groups: (step, prompt) groups all correct or all wrong. Modulation columns and "
-        "response length: means over steps, then over seeds (\"-\": the factor is off in that variant).",
+        "response length: means over steps, then over seeds (\"-\": the factor is off in that variant). Entropy: "
+        "`entropy_mean` (the sampling policy's mean token entropy) over the first and the last tenth of the steps, "
+        "mean over seeds.",
         diagnostics_table(analysis),
     ]) + "\n"
