@@ -2,10 +2,13 @@
 # Refresh requirements-gpu.lock: resolve setup.py's core + gpu requirements for the GPU platform (CPython 3.11 and
 # 3.12, manylinux_2_28 x86_64) with uv, which reads wheel metadata only: no CUDA wheel is downloaded, nothing is
 # installed. Where the two Pythons resolve a package differently the lock carries both lines with a
-# python_version marker. tests/test_gpu_lock.py re-resolves and compares with the committed lock.
-# The resolution only sees releases uploaded before RESOLVED_AT (uv's --exclude-newer), so re-running it gives the
-# same set until someone moves that date on purpose: a new release on PyPI cannot change the lock or fail the test.
-#   Usage: [RESOLVED_AT=2026-11-25T00:00:00Z] bash scripts/lock_gpu.sh [OUTPUT]
+# python_version marker. The resolution only sees releases uploaded before RESOLVED_AT (uv's --exclude-newer), so a
+# refresh does not pick up whatever was released this morning. That date alone does not make the resolution
+# repeatable: the registry served different files on different days for the same date (cuda-pathfinder 1.9.1, uploaded before 2026-11-21, was not offered when the lock was made on
+# 2026-11-25 and was on 2026-11-25 evening). CHECK=LOCK resolves with that lock as constraints instead: the output
+# equals the lock exactly when the locked set satisfies setup.py's requirements and every dependency for both
+# Pythons on the GPU platform, whatever else the registry offers (tests/test_gpu_lock.py).
+#   Usage: [RESOLVED_AT=2026-11-25T00:00:00Z] [CHECK=requirements-gpu.lock] bash scripts/lock_gpu.sh [OUTPUT]
 #   (default: the date in the current lock's header; default OUTPUT requirements-gpu.lock; needs uv: pip install uv)
 # Install (docker/Dockerfile does this): pip install --no-deps -r requirements-gpu.lock && pip install --no-deps -e .
 # then Transformer Engine's torch extension: pip install --no-build-isolation --no-deps "transformer-engine-torch==2.11.0"
@@ -28,9 +31,13 @@ names = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) 
          if isinstance(t, ast.Name)}
 print("\n".join(ast.literal_eval(names["CORE"]) + ast.literal_eval(names["EXTRAS"])["gpu"]))
 PY
+constraints=()
+if [ -n "${CHECK:-}" ]; then
+  constraints=(--constraint "$CHECK")
+fi
 for v in 3.11 3.12; do
   "$uv" pip compile "$work/gpu.in" --quiet --no-header --no-annotate --python-platform x86_64-manylinux_2_28 \
-    --python-version "$v" --exclude-newer "$resolved_at" -o "$work/$v.txt"
+    --python-version "$v" --exclude-newer "$resolved_at" "${constraints[@]}" -o "$work/$v.txt"
 done
 python3 - "$work/3.11.txt" "$work/3.12.txt" "$resolved_at" >"$work/lock" <<'PY'
 import sys
