@@ -1,5 +1,6 @@
 """Small random training samples shared by the tests that run the real actor (one helper instead of a copy per
-test file): six responses of growing length over three prompts, rewards 0/1, advantages 1, 0.5, ..., -1.5."""
+test file): six responses of growing length over three prompts, rewards 0/1, advantages 1, 0.5, ..., -1.5; and
+their micro-batches with old log-probs, ready for an update."""
 
 import torch
 
@@ -21,3 +22,23 @@ def perturbed_old_logp(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, t
     """Old log-probs a little off the current ones (``stats``: per sample index, the token stats' ``logp``), so that
     ratios differ from 1 and some tokens clip."""
     return {i: v["logp"] + 0.3 * torch.sin(torch.arange(v["logp"].numel()) + i) for i, v in stats.items()}
+
+
+def micro_batches_with_old_logp(run, actor, samples, last_stage: bool = True):
+    """The trainer's ``StepRunner`` for ``run`` over ``actor`` (no engine), its micro-batches of ``samples``, their
+    token stats (the forward-only pass) and :func:`perturbed_old_logp` of them, scattered into the micro-batches as
+    ``old_logp`` (zeros off the last pipeline stage, which has no logits). Returns (runner, micro, stats, old)."""
+    from megatron_dynamo.trainer.batch import scatter_token_values
+    from megatron_dynamo.trainer.step import StepRunner
+
+    runner = StepRunner(run, actor, None, None, None, None, None, "", None, pad_token_id=0,
+                        rollout_dtype=torch.float32)
+    micro = runner.micro_batches_for(samples)
+    stats = runner._token_stats(micro)
+    old = perturbed_old_logp(stats)
+    for mb in micro:
+        if last_stage:
+            scatter_token_values(mb, old, "old_logp")
+        else:
+            mb["old_logp"] = torch.zeros_like(mb["loss_mask"])
+    return runner, micro, stats, old

@@ -10,7 +10,7 @@ import torch
 
 from hf_reference import REPO, TINY_QWEN2
 from multiproc import run_on_ranks
-from samples import perturbed_old_logp, random_samples
+from samples import micro_batches_with_old_logp, random_samples
 
 CPU_DEFAULT = f"{REPO}/configs/cpu_default.yaml"
 # Parameters that make the selections non-trivial on ~60 tokens (the defaults select one token of a few hundred).
@@ -30,10 +30,9 @@ def _worker(rank, world_size, parallel, cases):
     stage), the summed micro-batch losses and the gradients."""
     from megatron_dynamo.parallel import runtime
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
-    from megatron_dynamo.trainer.batch import gather_token_values, scatter_token_values
+    from megatron_dynamo.trainer.batch import gather_token_values
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn
-    from megatron_dynamo.trainer.step import StepRunner
     from megatron_dynamo.trainer.token_selection import scatter_selections
 
     from hf_reference import hf_state_dict
@@ -49,16 +48,7 @@ def _worker(rank, world_size, parallel, cases):
     out = {}
     for algo, plan in cases:
         run = load_run_config(CPU_DEFAULT, PLANS[plan] + SMALL_BATCH, algo=algo)
-        runner = StepRunner(run, actor, None, None, None, None, None, "", None, pad_token_id=0,
-                            rollout_dtype=torch.float32)
-        micro = runner.micro_batches_for(samples)
-        stats = runner._token_stats(micro)
-        old = perturbed_old_logp(stats)
-        for mb in micro:
-            if last:
-                scatter_token_values(mb, old, "old_logp")
-            else:
-                mb["old_logp"] = torch.zeros_like(mb["loss_mask"])
+        runner, micro, stats, old = micro_batches_with_old_logp(run, actor, samples, last_stage=last)
         pre_update = {i: {"logp": old[i], "entropy": v["entropy"]} for i, v in stats.items()}
         scatter_selections(run.dynamo.loss, [(samples, micro)], pre_update, last, dp_group, seed=5, step=2)
         tokens = float(sum(s.num_response_tokens for s in samples))  # token-mean: the mini-batch's tokens

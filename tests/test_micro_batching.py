@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_reference import REPO, TINY_QWEN2
-from samples import perturbed_old_logp
+from samples import micro_batches_with_old_logp
 from multiproc import run_on_ranks
 from megatron_dynamo.trainer.actor import block_causal_mask, pad_micro_batches
 from megatron_dynamo.trainer.batch import (Sample, balance_over_ranks, build_micro_batches, gather_token_values,
@@ -202,7 +202,6 @@ def _update_worker(rank, world_size, cases):
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs
-    from megatron_dynamo.trainer.step import StepRunner
     from megatron_dynamo.trainer.step_metrics import global_denominator
 
     from hf_reference import hf_state_dict
@@ -216,13 +215,7 @@ def _update_worker(rank, world_size, cases):
     for name, num_samples in cases:
         samples = _random_samples(3, num_samples)
         run = load_run_config(CPU_DEFAULT, LAYOUTS[name][0])
-        runner = StepRunner(run, actor, None, None, None, None, None, "", None, pad_token_id=0,
-                            rollout_dtype=torch.float32)
-        micro = runner.micro_batches_for(samples)
-        stats = runner._token_stats(micro)
-        old = perturbed_old_logp(stats)
-        for mb in micro:
-            scatter_token_values(mb, old, "old_logp")
+        runner, micro, stats, _ = micro_batches_with_old_logp(run, actor, samples)
         modulation, loss_cfg = run.dynamo.modulation, run.dynamo.loss
         group = ps.get_data_parallel_group() if world_size > 1 else None
         scope = modulation_scope([scope_inputs(mb, stats, loss_cfg) for mb in micro], modulation, group=group)
