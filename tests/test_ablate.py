@@ -3,8 +3,10 @@ layout, and the scheduler / resume logic with a fake trainer (no training)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -225,12 +227,13 @@ class FakeTrainer:
     """Stands in for `dynamo train`: writes metrics.jsonl / prompts.jsonl / checkpoints like a run, with values
     that depend only on (variant, seed, step); refuses to overwrite checkpoints without --resume, continues from
     the latest one with it. ``interrupt``: (call number, step): raise KeyboardInterrupt after that step's
-    checkpoint, as Ctrl-C would stop the real trainer."""
+    checkpoint, as Ctrl-C would stop the real trainer; with ``by_signal`` send this process SIGINT instead."""
 
-    def __init__(self, interrupt=None, sft_per_seed=True):
+    def __init__(self, interrupt=None, sft_per_seed=True, by_signal=False):
         self.calls = []
         self.interrupt = interrupt
         self.sft_per_seed = sft_per_seed
+        self.by_signal = by_signal
 
     def __call__(self, command, env, log_path):
         self.calls.append(list(command))
@@ -291,7 +294,10 @@ class FakeTrainer:
             if step % 2 == 0 or step == steps:
                 save(step)
             if self.interrupt == (len(self.calls), step):
-                raise KeyboardInterrupt
+                if not self.by_signal:
+                    raise KeyboardInterrupt
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)  # the handler runs here; an ignored SIGINT lets the run go on
         return 0
 
 
@@ -384,6 +390,20 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
     assert (out / "ablation.png").stat().st_size > 0 and (out / "report" / "report.html").is_file()
     plan = json.loads((out / ablate.PLAN_FILE).read_text())
     assert plan["seeds"] == [1, 2] and plan["budget"]["rollouts_per_step"] == 32 * 8
+
+
+def test_sigint_stops_an_ablation_started_with_sigint_ignored(recipe, tmp_path, capsys):
+    """A shell starts a background command (`nohup dynamo ablate ... &`) with SIGINT ignored: `kill -INT` must
+    still stop it as Ctrl-C does (it did nothing: the runs went on to the end)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        trainer = FakeTrainer(interrupt=(2, 3), by_signal=True)
+        code = ablate.run(_args(recipe, tmp_path / "a", "--seeds", "1", "--variants", "grpo,dynamo"), launch=trainer)
+    finally:
+        restored = signal.signal(signal.SIGINT, previous)
+    assert code == 130 and len(trainer.calls) == 2
+    assert "run the same command again to resume" in capsys.readouterr().err
+    assert restored is signal.SIG_IGN  # the command puts back what it found
 
 
 def test_one_shared_warm_up_starts_every_seed(recipe, tmp_path, capsys):
@@ -496,7 +516,6 @@ def test_ablate_help_documents_every_option():
 
 
 def test_ctrl_c_stops_the_running_runs_and_leaves_none_behind(tmp_path):
-    import signal
     import threading
 
     specs = [ablate.RunSpec(v, 1, str(tmp_path / v)) for v in ("grpo", "dynamo", "gc")]

@@ -277,14 +277,17 @@ def run(args, launch: Launch | None = None) -> int:
                 line += ": " + ", ".join(numbers)
         print(line, flush=True)
 
-    previous_term = signal.getsignal(signal.SIGTERM)
+    # SIGTERM stops like Ctrl-C; so does SIGINT where it arrived ignored (a shell starts a background command, e.g.
+    # `nohup dynamo ablate ... &`, with SIGINT ignored, and `kill -INT` did nothing).
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def on_term(signum, frame):
+    def on_stop(signum, frame):
         raise KeyboardInterrupt
 
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
-        signal.signal(signal.SIGTERM, on_term)
+        for sig in previous:
+            signal.signal(sig, on_stop)
     try:
         # A shared warm-up runs first and alone, on every core (no other run can start before it ends).
         shared = [s for s in specs if s.is_sft] if shared_sft_seed is not None else []
@@ -301,7 +304,8 @@ def run(args, launch: Launch | None = None) -> int:
         return 130
     finally:
         if in_main:
-            signal.signal(signal.SIGTERM, previous_term)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     summaries = collect(specs, results, steps=steps, k=k, threshold=args.threshold, window=args.window,
                         budget=budget)
