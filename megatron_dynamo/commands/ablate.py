@@ -74,6 +74,7 @@ from megatron_dynamo.commands.ablate_plan import (PLAN_FILE, RunSpec, merge_plan
 from megatron_dynamo.commands.ablate_runs import (CPUS_ENV, AblationInterrupted, Launch, RunResult,  # noqa: F401
                                                   SubprocessLauncher, cpu_slots, execute)
 from megatron_dynamo.commands.ablate_statistics import collect, write_outputs
+from megatron_dynamo.parallel.runtime import single_process_environment
 from megatron_dynamo.report.ablation import DEFAULT_GROUP, GROUPS, SFT, VARIANTS, parse_variants
 from megatron_dynamo.report.thresholds import parse_seeds
 
@@ -82,9 +83,6 @@ VARIANT_KEYS = ("dynamo.allocation.enabled", "dynamo.modulation.gc", "dynamo.mod
                 "dynamo.allocation.power")
 RESERVED_KEYS = ("trainer.seed", "trainer.output_dir", "evaluation.every", *VARIANT_KEYS)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-# A run is a single-process job of its own: launcher variables of the ablation's environment must not reach it
-# (it would take itself for a rank of a torchrun/Slurm job, with a job-wide MASTER_PORT shared by all runs).
-from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES  # noqa: E402 - the one list (torchrun's and srun's)
 
 
 def add_arguments(parser) -> None:
@@ -123,7 +121,9 @@ def add_arguments(parser) -> None:
 def child_environment(base: Mapping[str, str], jobs: int, cpus: Sequence[int] | None) -> dict[str, str]:
     """A run's environment: ``base`` without launcher variables, unbuffered output; with jobs > 1 also its thread
     count (the number of its CPUs) and the CPUs to pin it to (:data:`CPUS_ENV`)."""
-    env = {k: v for k, v in base.items() if k not in LAUNCH_VARIABLES}
+    # a run is a single-process job of its own: launcher variables of the ablation's environment must not reach it
+    # (it would take itself for a rank of a torchrun/Slurm job, with a job-wide MASTER_PORT shared by all runs)
+    env = single_process_environment(base)
     env.pop(CPUS_ENV, None)
     env.setdefault("PYTHONUNBUFFERED", "1")  # train.log follows the run (the step lines as they happen)
     if jobs > 1 and cpus:
