@@ -102,6 +102,33 @@ def _rows(grad: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if grad is None else grad[rows]
 
 
+def _stats_by_chunk(target, vocab_start, vocab_local, chunk, temperature, group, chunk_logits, device):
+    """The forward of both Functions: ``chunk_stats`` over the tokens, ``chunk`` at a time. ``chunk_logits(rows)``
+    gives the fp32 logits [rows, V/tp] of a slice of tokens (it may reuse one buffer). Returns m, Z, log pi_a, H and
+    sum pi^2 Lambda, [n] fp32 each, on ``device`` (the logits')."""
+    n = target.shape[0]
+    m, z_sum, logp, entropy, sum_pi2_lambda = torch.empty(5, n, dtype=_F32, device=device)
+    # one fp32 scratch buffer reused by every chunk (on CPU a fresh large allocation is a fresh mmap, whose page
+    # faults cost as much as the arithmetic; on GPU the caching allocator would reuse it anyway)
+    e_buf = torch.empty(chunk, vocab_local, dtype=_F32, device=device)
+    for s in range(0, n, chunk):
+        rows = slice(s, min(s + chunk, n))
+        local_t, owned = local_targets(target[rows], vocab_start, vocab_local)
+        x = chunk_logits(rows)
+        m[rows], z_sum[rows], logp[rows], entropy[rows], sum_pi2_lambda[rows] = chunk_stats(
+            x, e_buf[:x.shape[0]], local_t, owned, temperature, group)
+    return m, z_sum, logp, entropy, sum_pi2_lambda
+
+
+def _remember(ctx, saved, temperature, chunk, vocab_start, sum_pi2_lambda) -> None:
+    """What both Functions' backward passes read."""
+    ctx.save_for_backward(*saved)
+    ctx.temperature = temperature
+    ctx.chunk = chunk
+    ctx.vocab_start = vocab_start
+    ctx.mark_non_differentiable(sum_pi2_lambda)
+    ctx.set_materialize_grads(False)  # an output nothing depends on brings None, not a tensor of zeros
+
 
 class _VocabParallelTokenStats(torch.autograd.Function):
     @staticmethod
@@ -111,28 +138,15 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         vocab_start = rank * vocab_local
         chunk = resolve_chunk(chunk_size, n, vocab_local)
 
-        m, z_sum, logp, entropy, sum_pi2_lambda = torch.empty(5, n, dtype=_F32, device=logits.device)
-        # two fp32 scratch buffers, reused by every chunk (on CPU a fresh large allocation is a fresh mmap, whose
-        # page faults cost as much as the arithmetic; on GPU the caching allocator would reuse them anyway)
         x_buf = torch.empty(chunk, vocab_local, dtype=_F32, device=logits.device)
-        e_buf = torch.empty_like(x_buf)
-        for s in range(0, n, chunk):
-            sl = slice(s, min(s + chunk, n))
-            c = sl.stop - sl.start
-            local_t, owned = local_targets(target[sl], vocab_start, vocab_local)
-            x = x_buf[:c].copy_(logits[sl])  # fp32 copy: the caller's logits are never written
-            m[sl], z_sum[sl], logp[sl], entropy[sl], sum_pi2_lambda[sl] = chunk_stats(
-                x, e_buf[:c], local_t, owned, temperature, group)
-        del x_buf, e_buf
-
+        # fp32 copy into a reused buffer: the caller's logits are never written
+        m, z_sum, logp, entropy, sum_pi2_lambda = _stats_by_chunk(
+            target, vocab_start, vocab_local, chunk, temperature, group,
+            lambda rows: x_buf[:rows.stop - rows.start].copy_(logits[rows]), logits.device)
+        del x_buf
         # Saved: the caller's logits (a reference, not a copy; autograd's version counter catches later in-place
         # edits), the targets and four fp32 numbers per token. No softmax.
-        ctx.save_for_backward(logits, target, m, z_sum, logp, entropy)
-        ctx.temperature = temperature
-        ctx.chunk = chunk
-        ctx.vocab_start = vocab_start
-        ctx.mark_non_differentiable(sum_pi2_lambda)
-        ctx.set_materialize_grads(False)  # an output nothing depends on brings None, not a tensor of zeros
+        _remember(ctx, (logits, target, m, z_sum, logp, entropy), temperature, chunk, vocab_start, sum_pi2_lambda)
         return logp, entropy, sum_pi2_lambda
 
     @staticmethod
@@ -225,26 +239,16 @@ class _FusedVocabParallelTokenStats(torch.autograd.Function):
         vocab_start = rank * vocab_local
         chunk = resolve_chunk(chunk_size, n, vocab_local)
 
-        m, z_sum, logp, entropy, sum_pi2_lambda = torch.empty(5, n, dtype=_F32, device=hidden.device)
         chunk_logits = _ChunkLogits(chunk, weight)
-        e_buf = torch.empty(chunk, vocab_local, dtype=_F32, device=hidden.device)
-        for s in range(0, n, chunk):
-            sl = slice(s, min(s + chunk, n))
-            local_t, owned = local_targets(target[sl], vocab_start, vocab_local)
-            x = chunk_logits(hidden[sl])
-            m[sl], z_sum[sl], logp[sl], entropy[sl], sum_pi2_lambda[sl] = chunk_stats(
-                x, e_buf[:x.shape[0]], local_t, owned, temperature, group)
-        del chunk_logits, e_buf
-
+        m, z_sum, logp, entropy, sum_pi2_lambda = _stats_by_chunk(
+            target, vocab_start, vocab_local, chunk, temperature, group, lambda rows: chunk_logits(hidden[rows]),
+            hidden.device)
+        del chunk_logits
         # references to the inputs + 4 floats per token
-        ctx.save_for_backward(hidden, weight, target, m, z_sum, logp, entropy)
-        ctx.temperature = temperature
+        _remember(ctx, (hidden, weight, target, m, z_sum, logp, entropy), temperature, chunk, vocab_start,
+                  sum_pi2_lambda)
         ctx.group = group
-        ctx.chunk = chunk
-        ctx.vocab_start = vocab_start
         ctx.allreduce_grad_hidden = allreduce_grad_hidden
-        ctx.mark_non_differentiable(sum_pi2_lambda)
-        ctx.set_materialize_grads(False)  # an output nothing depends on brings None, not a tensor of zeros
         return logp, entropy, sum_pi2_lambda
 
     @staticmethod
