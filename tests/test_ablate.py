@@ -368,6 +368,9 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
                       launch=third) == 0
     assert third.calls == []
     result = json.loads((out / "ablation.json").read_text())
+    # a reused run keeps the wall time of the call that ran it (power_calc reads run times from here)
+    assert {r["status"] for r in result["runs"]} == {"reused"}
+    assert all(isinstance(r["seconds"], float) for r in result["runs"])
     a = result["analysis"]
     assert a["effects"]["dra"]["pass@1"]["mean"] == pytest.approx(0.05)
     assert a["effects"]["gc"]["pass@4"]["mean"] == pytest.approx(0.02)

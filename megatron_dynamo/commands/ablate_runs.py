@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,9 @@ from megatron_dynamo.commands.ablate_plan import RunSpec, run_state
 from megatron_dynamo.report.ablation import SFT
 
 CPUS_ENV = "DYNAMO_ABLATE_CPUS"  # the CPUs a run is pinned to (read by the launcher, left in the run's environment)
+# In a finished run's directory: its wall time, so that a later call that reuses the run (another --threshold, more
+# seeds) still reports it (ablation.json; scripts/power_calc.py reads run times from there).
+RUN_RECORD = "ablate_run.json"
 
 
 def cpu_slots(jobs: int, cpus: Sequence[int] | None = None) -> list[list[int]]:
@@ -102,6 +106,20 @@ class AblationInterrupted(Exception):
 Launch = Callable[[Sequence[str], Mapping[str, str], str], int]
 
 
+def _record_seconds(spec: RunSpec, seconds: float, resumed: bool) -> None:
+    """Keep a finished run's wall time in its directory (``resumed``: the time of the call that finished it)."""
+    with contextlib.suppress(OSError):  # a lost record costs a time in a table, not the run
+        with open(os.path.join(spec.output_dir, RUN_RECORD), "w", encoding="utf-8") as f:
+            json.dump({"seconds": seconds, "resumed": resumed}, f)
+
+
+def _recorded_seconds(spec: RunSpec) -> float | None:
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        with open(os.path.join(spec.output_dir, RUN_RECORD), encoding="utf-8") as f:
+            return float(json.load(f)["seconds"])
+    return None
+
+
 @dataclass
 class RunResult:
     spec: RunSpec
@@ -141,7 +159,7 @@ def execute(specs: Sequence[RunSpec], steps: int, command_for: Callable[[RunSpec
 
     for spec in list(pending):
         if run_state(spec, steps) == "done":
-            finish(RunResult(spec, "reused"))
+            finish(RunResult(spec, "reused", seconds=_recorded_seconds(spec)))
             pending.remove(spec)
 
     def ready(spec: RunSpec) -> str | None:
@@ -206,6 +224,7 @@ def execute(specs: Sequence[RunSpec], steps: int, command_for: Callable[[RunSpec
             if interrupted and code != 0:
                 continue  # stopped by the interrupt: resumed next time
             if code == 0 and run_state(spec, steps) == "done":
+                _record_seconds(spec, seconds, resume)
                 finish(RunResult(spec, "ok", code, seconds, resume, command))
             else:
                 why = f"exit {code}" if code != 0 else "exited 0 but its metrics lack steps or the final evaluation"
