@@ -4,8 +4,9 @@
 # installed. Where the two Pythons resolve a package differently the lock carries both lines with a
 # python_version marker. The resolution only sees releases uploaded before RESOLVED_AT (uv's --exclude-newer), so a
 # refresh does not pick up whatever was released this morning. That date alone does not make the resolution
-# repeatable: the registry served different files on different days for the same date (cuda-pathfinder 1.9.1, uploaded before 2026-11-21, was not offered when the lock was made on
-# 2026-11-25 and was on 2026-11-25 evening). CHECK=LOCK resolves with that lock as constraints instead: the output
+# repeatable: the registry served different files on different days for the same date (cuda-pathfinder 1.9.1,
+# uploaded before 2026-11-21, was not offered when the lock was made on 2026-11-25 and was on 2026-11-25 evening).
+# CHECK=LOCK resolves with that lock as constraints instead: the output
 # equals the lock exactly when the locked set satisfies setup.py's requirements and every dependency for both
 # Pythons on the GPU platform, whatever else the registry offers (tests/test_gpu_lock.py).
 #   Usage: [RESOLVED_AT=2026-11-25T00:00:00Z] [CHECK=requirements-gpu.lock] bash scripts/lock_gpu.sh [OUTPUT]

@@ -34,7 +34,7 @@ def micro_batches_with_old_logp(run, actor, samples, last_stage: bool = True):
     runner = StepRunner(run, actor, None, None, None, None, None, "", None, pad_token_id=0,
                         rollout_dtype=torch.float32)
     micro = runner.micro_batches_for(samples)
-    stats = runner._token_stats(micro)
+    stats = runner.forward_token_stats(micro)
     old = perturbed_old_logp(stats)
     for mb in micro:
         if last_stage:

@@ -270,7 +270,7 @@ class StepRunner:
         else the logits in the model dtype."""
         return "hidden" if self.run.trainer.fused_output_layer else "logits"
 
-    def _token_stats(self, micro_batches) -> dict[int, dict[str, torch.Tensor]]:
+    def forward_token_stats(self, micro_batches) -> dict[int, dict[str, torch.Tensor]]:
         """Forward-only pass: per sample index, its response tokens' logp / entropy / sum_pi2_lambda (last stage)."""
         fn = token_stats_fn(self.run.rollout.temperature, self.run.dynamo.token_stats_chunk)
         results = self.actor.forward_backward(micro_batches, fn, forward_only=True, output=self.model_output)
@@ -292,7 +292,7 @@ class StepRunner:
         with timer("old_logprob"):
             old = {}
             for _, micro in plans:
-                old.update(self._token_stats(micro))
+                old.update(self.forward_token_stats(micro))
             old_logp = {i: v["logp"] for i, v in old.items()}
             for _, micro in plans:
                 for mb in micro:
@@ -328,7 +328,7 @@ class StepRunner:
                 if current_policy and (epoch, index) != (0, 0):
                     with timer("modulation_scope"):
                         # The exact two-pass form: a no-grad forward under the current weights (on every stage).
-                        stats = self._token_stats(micro)
+                        stats = self.forward_token_stats(micro)
                         if last_stage:
                             inputs = [scope_inputs(mb, stats, run.dynamo.loss) for mb in micro]
                             scope = modulation_scope(inputs, modulation, group=dp_group)
