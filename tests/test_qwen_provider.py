@@ -96,3 +96,31 @@ def test_transformers5_rope_parameters_spelling():
     cfg["layer_types"] = ["full_attention", "sliding_attention", "full_attention", "full_attention"]
     with pytest.raises(UnsupportedModelConfig, match="layer_types"):
         parse_qwen_config(cfg)
+
+
+def _local_spec_on_a_gpu_worker(rank, world_size):
+    from unittest import mock
+
+    import torch
+
+    from megatron_dynamo.models.qwen import build_gpt_model
+    from megatron_dynamo.parallel import runtime
+
+    runtime.init_distributed(runtime.ParallelConfig(), seed=0)
+    # The config and the layers as a GPU without Transformer Engine or apex builds them (the weights stay on the
+    # CPU: use_cpu_initialization); megatron-core's wheel ships no compiled softmax kernels.
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        model = build_gpt_model(TINY_QWEN2, "fp32", use_te=False)
+    config = model.config
+    return {"persist_layer_norm": config.persist_layer_norm, "masked_softmax_fusion": config.masked_softmax_fusion,
+            "bias_activation_fusion": config.bias_activation_fusion}
+
+
+def test_local_spec_builds_with_the_gpu_settings():
+    """A GPU without Transformer Engine (the lent H200, 2026-11-26) builds the local spec: Megatron's torch norm
+    refuses persist_layer_norm, and the fused softmax is asked for only where its compiled kernels import. The
+    torch-written fusions stay on."""
+    from multiproc import run_on_ranks
+
+    (out,) = run_on_ranks(_local_spec_on_a_gpu_worker, 1)
+    assert out == {"persist_layer_norm": False, "masked_softmax_fusion": False, "bias_activation_fusion": True}

@@ -12,6 +12,7 @@ rope scaling, other activations) is rejected with an error that names the config
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -168,6 +169,13 @@ def te_available() -> bool:
     return torch.cuda.is_available() and te_importable()
 
 
+def fused_softmax_kernels_importable() -> bool:
+    """Megatron's compiled softmax kernels (the local spec's ``masked_softmax_fusion``) are installed."""
+    return all(importlib.util.find_spec(name) is not None
+               for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+                            "scaled_softmax_cuda"))
+
+
 def _dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -224,12 +232,17 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
         bf16=torch_dtype == torch.bfloat16,
         # Initialise the full weight on the CPU and slice it, so that every TP/PP layout starts from the same model.
         use_cpu_initialization=True,
-        # The fusions below need CUDA kernels (or apex); on CPU the plain torch paths are used.
+        # Fusions written in torch (jit/compile): on any GPU. On CPU the plain torch paths are used.
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # The local spec's fused softmax calls Megatron's compiled kernels (scaled_*softmax_cuda, built with apex or
+        # Megatron-LM), which megatron-core's wheel lacks: asked for without them, the first forward fails on their
+        # import. TE's attention does its own softmax and ignores the flag.
+        masked_softmax_fusion=on_gpu and fused_softmax_kernels_importable(),
         apply_rope_fusion=False,
-        persist_layer_norm=on_gpu,
+        # apex's persistent LayerNorm kernel: Qwen normalises with RMSNorm, and Megatron's torch norm (the local
+        # spec) refuses the flag outright.
+        persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         # Kept in fp32 so that the vocab-parallel log-prob routine sees full-precision logits.
         cross_entropy_loss_fusion=False,
