@@ -49,6 +49,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -204,6 +205,20 @@ def _worker(cfg: dict) -> dict:
     return out
 
 
+# "AssertionError: ...", "[rank0]: torch.OutOfMemoryError: ...": a traceback's last line, a rank's prefix allowed.
+_EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([\w.]+(Error|Exception|Interrupt)\b.*)$")
+
+
+def failure_line(stderr_tail: list[str], returncode: int) -> str:
+    """What a failed worker died of: the last exception line of its stderr. Not simply the last line: torch prints
+    warnings after the traceback (NCCL's "destroy_process_group() was not called" on a GPU), which hid the error."""
+    for line in reversed(stderr_tail):
+        found = _EXCEPTION_LINE.match(line.strip())
+        if found:
+            return found.group(2)[:300]
+    return stderr_tail[-1][:300] if stderr_tail else f"exit {returncode}"
+
+
 def _run_subprocess(cfg: dict, timeout: float | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_update_") as workdir:
         cfg = dict(cfg, workdir=workdir)
@@ -219,8 +234,7 @@ def _run_subprocess(cfg: dict, timeout: float | None) -> dict:
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-30:]
         oom = any("OutOfMemoryError" in line or "out of memory" in line.lower() for line in tail)
-        return {"error": "OOM" if oom else (tail[-1][:300] if tail else f"exit {proc.returncode}"),
-                "tail": tail if not oom else tail[-3:]}
+        return {"error": "OOM" if oom else failure_line(tail, proc.returncode), "tail": tail if not oom else tail[-3:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -199,3 +199,21 @@ def test_pytest_summary_lines_are_parsed():
     assert gc.pytest_outcome("SKIPPED [2] tests/test_gpu.py:64: Transformer Engine does not import here") == {
         "outcome": "SKIPPED", "test": "test_gpu.py:64", "detail": "Transformer Engine does not import here"}
     assert gc.pytest_outcome("==== 3 passed in 2.0s ====") is None
+
+
+def test_a_failed_update_variant_reports_its_exception_not_the_warning_after_it():
+    """The H200's first run (2026-11-26): every variant's error read "[rank0]:[W...] Warning: WARNING:
+    destroy_process_group() was not called", the line torch prints after the traceback."""
+    _module()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_update import failure_line
+
+    tail = ["Traceback (most recent call last):",
+            '[rank0]:   File "torch_norm.py", line 30, in __new__',
+            "[rank0]: AssertionError: persist_layer_norm not supported by torch LayerNorm",
+            "[rank0]:[W1126 03:03:20.969828336 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() "
+            "was not called before program exit, which can leak resources."]
+    assert failure_line(tail, 1) == "AssertionError: persist_layer_norm not supported by torch LayerNorm"
+    oom = "torch.OutOfMemoryError: CUDA out of memory."
+    assert failure_line([oom], 1) == oom
+    assert failure_line(["killed"], -9) == "killed" and failure_line([], -9) == "exit -9"
