@@ -1,8 +1,26 @@
 """Small random training samples shared by the tests that run the real actor (one helper instead of a copy per
 test file): six responses of growing length over three prompts, rewards 0/1, advantages 1, 0.5, ..., -1.5; and
-their micro-batches with old log-probs, ready for an update."""
+their micro-batches with old log-probs, ready for an update. Also the periodic-evaluation overrides the end-to-end
+training tests share."""
+
+import json
+import os
 
 import torch
+
+
+def synthetic_eval_args(output_dir, n: int = 4, k=(2, 4)) -> list[str]:
+    """Overrides for a periodic evaluation (before training and every 2 steps) on a JSONL benchmark of 8 synthetic
+    problems, written into ``output_dir``."""
+    from megatron_dynamo.data.synthetic import make_synthetic_task
+
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "synthetic_eval.jsonl")
+    with open(path, "w") as f:
+        for ex in make_synthetic_task(16, seed=0)[:8]:
+            f.write(json.dumps({"id": ex.id, "problem": ex.problem, "answer": ex.answer}) + "\n")
+    return ["evaluation.every=2", "evaluation.at_start=true", f"evaluation.benchmarks=[{path}]", f"evaluation.n={n}",
+            f"evaluation.k=[{','.join(str(x) for x in k)}]"]
 
 
 def random_samples(vocab: int, seed: int, count: int = 6):
@@ -31,8 +49,7 @@ def micro_batches_with_old_logp(run, actor, samples, last_stage: bool = True):
     from megatron_dynamo.trainer.batch import scatter_token_values
     from megatron_dynamo.trainer.step import StepRunner
 
-    runner = StepRunner(run, actor, None, None, None, None, None, "", None, pad_token_id=0,
-                        rollout_dtype=torch.float32)
+    runner = StepRunner(run, actor, pad_token_id=0, rollout_dtype=torch.float32)
     micro = runner.micro_batches_for(samples)
     stats = runner.forward_token_stats(micro)
     old = perturbed_old_logp(stats)

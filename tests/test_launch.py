@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*ROOT.glob("scripts/**/*.sh"), *ROOT.glob("scripts/**/*.sbatch")])
 # name -> (nodes, TP, PP, DP, vLLM memory share)
 EXPECTED = {"qwen2.5-math-1.5b": (1, 1, 1, 8, 0.8), "qwen2.5-math-7b": (1, 4, 1, 2, 0.65),
-            "qwen3-14b": (2, 4, 2, 2, 0.65)}
+            "qwen2.5-math-7b-separate": (2, 4, 1, 2, 0.85), "qwen3-14b": (2, 4, 2, 2, 0.65)}
 ROOTS = SiteRoots(ckpt_root="/lustre/models", data_dir="/lustre/data", output_root="/lustre/runs")
 
 
@@ -43,7 +43,7 @@ def nemo():
 
 
 # ---------------------------------------------------------------------------------------------------- recipes
-def test_catalog_is_the_three_models_and_two_conversions():
+def test_catalog_is_the_three_models_a_separate_engine_variant_and_two_conversions():
     assert set(RECIPES) == set(EXPECTED)
     assert set(CONVERSIONS.values()) == {"hf-to-megatron", "megatron-to-hf"}
 
@@ -51,7 +51,7 @@ def test_catalog_is_the_three_models_and_two_conversions():
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_recipe_yaml_has_table3_settings_and_a_layout_that_fits(name):
     recipe = get_recipe(name)
-    run = load_run_config(str(ROOT / recipe.config))
+    run = load_run_config(str(ROOT / recipe.config), list(recipe.overrides))
     nodes, tp, pp, dp, share = EXPECTED[name]
     assert (run.data.prompts_per_step, run.trainer.mini_batch_prompts) == (512, 32)
     alloc = run.dynamo.allocation
@@ -236,7 +236,7 @@ def test_local_recipe_renders_torchrun_on_this_machine(name, tmp_path):
     assert cmd[cmd.index("--nnodes") + 1] == "1" and cmd[cmd.index("--nproc-per-node") + 1] == "8"
     assert cmd[-1] == str(rendered.task_file) and rendered.task_file.is_file()
     assert all(rendered.env[k] == v for k, v in TRAIN_ENV.items())
-    _check_task(rendered.task_file, recipe, [])
+    _check_task(rendered.task_file, recipe, list(recipe.overrides))
 
 
 def test_slurm_recipe_packages_the_committed_checkout_by_default(tmp_path, monkeypatch):
@@ -454,8 +454,13 @@ def _parse_train(argv: list[str]):
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_train_sbatch_renders_one_torchrun_per_node(name, slurm):
     nodes = EXPECTED[name][0]
-    env = slurm(nodes, RECIPE=name, MODEL_DIR="/lustre/models/M", DATA_DIR="/lustre/data",
-                OUTPUT_DIR=f"/lustre/runs/{name}", OVERRIDES="trainer.steps=5 checkpoint.every=1",
+    recipe = get_recipe(name)
+    # A variant of a YAML (the separate-engine recipe) is that YAML plus its overrides (docs/cluster.md); the
+    # script's OUTPUT_DIR names the run directory.
+    variant = [o for o in recipe.overrides if not o.startswith("trainer.output_dir=")]
+    overrides = " ".join([*variant, "trainer.steps=5", "checkpoint.every=1"])
+    env = slurm(nodes, RECIPE=Path(recipe.config).stem, MODEL_DIR="/lustre/models/M", DATA_DIR="/lustre/data",
+                OUTPUT_DIR=f"/lustre/runs/{name}", OVERRIDES=overrides,
                 CONTAINER_IMAGE="nvcr.io/org/dynamo:1", CONTAINER_MOUNTS="/lustre:/lustre")
     proc = subprocess.run(["bash", str(ROOT / "scripts/slurm/train.sbatch")], env=env, capture_output=True,
                           text=True, timeout=60, cwd=ROOT)
@@ -470,14 +475,13 @@ def test_train_sbatch_renders_one_torchrun_per_node(name, slurm):
             "--rdzv-id=4242", "--max-restarts=0"} <= set(torchrun)
     assert all(srun_env.get(k) == v for k, v in TRAIN_ENV.items()), "train.sbatch and TRAIN_ENV differ"
     args = _parse_train(torchrun)
-    assert (args.command, args.config, args.algo, args.resume) == ("train", f"configs/{name}.yaml", "dynamo", True)
+    assert (args.command, args.config, args.algo, args.resume) == ("train", recipe.config, "dynamo", True)
     run = load_run_config(args.config, args.overrides, algo=args.algo)
     assert run.model.checkpoint == run.model.tokenizer == "/lustre/models/M"
     assert (run.data.data_dir, run.trainer.output_dir) == ("/lustre/data", f"/lustre/runs/{name}")
     assert (run.trainer.steps, run.checkpoint.every) == (5, 1)
     check_layout(run, nodes, 8)
     # The same command as `dynamo launch show` prints for the recipe.
-    recipe = get_recipe(name)
     assert torchrun[torchrun.index("megatron_dynamo.cli") + 1:] == train_args(recipe, args.overrides)
 
 

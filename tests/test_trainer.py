@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_reference import REPO, TINY_QWEN2
+from samples import synthetic_eval_args
 from megatron_dynamo.config import ConfigError
 from megatron_dynamo.trainer.batch import Sample, make_micro_batches, shard_for_rank, split_mini_batches
 from megatron_dynamo.trainer.config import load_run_config
@@ -139,15 +140,7 @@ def _train(output_dir, *extra, env=None):
 
 def _eval_args(output_dir):
     """Periodic evaluation (before training and every 2 steps) on a JSONL benchmark of synthetic problems."""
-    from megatron_dynamo.data.synthetic import make_synthetic_task
-
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "synthetic_eval.jsonl")
-    with open(path, "w") as f:
-        for ex in make_synthetic_task(16, seed=0)[:8]:
-            f.write(json.dumps({"id": ex.id, "problem": ex.problem, "answer": ex.answer}) + "\n")
-    return ["evaluation.every=2", "evaluation.at_start=true", f"evaluation.benchmarks=[{path}]", "evaluation.n=4",
-            "evaluation.k=[2,4]"]
+    return synthetic_eval_args(output_dir, n=4, k=(2, 4))
 
 
 HAS_WANDB = importlib.util.find_spec("wandb") is not None

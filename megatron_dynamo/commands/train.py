@@ -12,7 +12,9 @@ dynamo.allocation.enabled=false (DRA), dynamo.modulation.gc=false (GC), dynamo.m
 Launch: a single process runs all ranks itself when --nproc > 1 (gloo on CPU, one GPU per rank on GPUs);
 under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set) each process is one rank. Every rank hosts a vLLM
 worker inside its own process: rollout.tensor_parallel consecutive ranks form one engine, each engine generates its
-share of a step's prompts (docs/rollout.md).
+share of a step's prompts (docs/rollout.md). With rollout.placement=separate rollout.engine_ranks=N the last N ranks
+only generate and score while the others train, and rollout.max_staleness=K lets them generate up to K steps ahead
+(generation overlapped with the update; docs/rollout.md, "Separate engine ranks").
 Output: <trainer.output_dir>/metrics.jsonl, prompts.jsonl, tensorboard/, reward_curve.png, checkpoints/
 (rollouts.jsonl with logging.rollouts=true).
 
@@ -49,20 +51,28 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint under the run's checkpoint directory")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks to spawn on this machine (default: tensor x pipeline parallel size); each "
-                             "hosts a vLLM worker, so it runs N / rollout.tensor_parallel engines (N must be a "
-                             "multiple of it); ignored under torchrun/srun")
+                        help="ranks to spawn on this machine (default: tensor x pipeline parallel size, plus "
+                             "rollout.engine_ranks with rollout.placement=separate); colocated, each hosts a vLLM "
+                             "worker, so it runs N / rollout.tensor_parallel engines (N must be a multiple of it); "
+                             "ignored under torchrun/srun")
 
 
 def _layout_line(cfg, world_size: int, kind: str) -> str:
     """The header's second line: ranks, who started them, the training layout and the rollout engines."""
-    p = cfg.parallel
-    dp = world_size // (p.tensor_parallel * p.pipeline_parallel * p.context_parallel)
+    from megatron_dynamo.parallel.placement import Placement
+
+    placement = Placement.of_run(cfg, world_size)
+    p, rollout = cfg.parallel, cfg.rollout
+    dp = placement.trainer_ranks // (p.tensor_parallel * p.pipeline_parallel * p.context_parallel)
     started = {"torchrun": "torchrun", "slurm": "srun", "single": "this process" if world_size == 1 else "--nproc"}
-    engines = world_size // cfg.rollout.tensor_parallel
-    return (f"{world_size} rank{'s' if world_size > 1 else ''} ({started[kind]}): DP {dp} x TP {p.tensor_parallel} "
-            f"x PP {p.pipeline_parallel}; {engines} rollout engine{'s' if engines > 1 else ''} of "
-            f"{cfg.rollout.tensor_parallel} rank{'s' if cfg.rollout.tensor_parallel > 1 else ''}")
+    plural = lambda n, word: f"{n} {word}{'s' if n != 1 else ''}"  # noqa: E731
+    engines = (placement.engine_ranks if placement.separate else world_size) // rollout.tensor_parallel
+    line = (f"{plural(world_size, 'rank')} ({started[kind]}): DP {dp} x TP {p.tensor_parallel} x PP "
+            f"{p.pipeline_parallel}; {plural(engines, 'rollout engine')} of {plural(rollout.tensor_parallel, 'rank')}")
+    if placement.separate:
+        line += (f" on ranks {placement.first_engine_rank}-{world_size - 1} of their own, up to "
+                 f"{plural(rollout.max_staleness, 'step')} off-policy")
+    return line
 
 
 def run(args) -> int:
@@ -97,6 +107,10 @@ def run(args) -> int:
         print(f"dynamo train: {_layout_line(cfg, job_world_size(cfg, args.nproc), launcher())}", flush=True)
         if prompt_note:
             print(f"dynamo train: {prompt_note}", flush=True)
+        if cfg.rollout.max_staleness and cfg.dynamo.loss.engine_is == "off":
+            print(f"dynamo train: rollout.max_staleness={cfg.rollout.max_staleness} with dynamo.loss.engine_is=off: "
+                  "the gradient ignores that the samples come from older weights (engine_is=truncate weighs each "
+                  "token by the proximal/behaviour ratio: docs/rollout.md)", flush=True)
     from megatron_dynamo.launch.ranks import launch_training
     from megatron_dynamo.parallel import stop_signals
     from megatron_dynamo.parallel.spawn import RankError

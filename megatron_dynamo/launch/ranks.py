@@ -5,6 +5,7 @@ otherwise it runs the job's ranks itself, spawning them when there are several."
 from __future__ import annotations
 
 import logging
+import os
 
 from megatron_dynamo.parallel.runtime import detect_launch, launched_externally
 
@@ -28,15 +29,18 @@ def launch_training(run, resume: bool, nproc: int | None = None) -> None:
         train_on_rank(0, 1, run, resume)
     else:
         # A failed rank reports one line for the errors a user can act on, its traceback for anything else.
+        # Engines on ranks of their own: each rank joins its role's process group itself (parallel.placement).
         run_on_ranks(train_on_rank, nproc, run, resume, user_errors=(TrainingError, RolloutError),
-                     forward=STOP_SIGNALS)
+                     forward=STOP_SIGNALS, init_group=run.rollout.placement != "separate")
 
 
 def job_world_size(run, nproc: int | None) -> int:
-    """The job's ranks: the launcher's world size, else ``--nproc``, else tensor x pipeline parallel."""
+    """The job's ranks: the launcher's world size, else ``--nproc``, else tensor x pipeline parallel (plus the
+    engine ranks of ``rollout.placement: separate``)."""
     if launched_externally():
         return detect_launch().world_size
-    return nproc or run.parallel.tensor_parallel * run.parallel.pipeline_parallel
+    engine_ranks = run.rollout.engine_ranks if run.rollout.placement == "separate" else 0
+    return nproc or run.parallel.tensor_parallel * run.parallel.pipeline_parallel + engine_ranks
 
 
 def train_on_rank(rank, world_size, run, resume):
@@ -56,9 +60,33 @@ def train_on_rank(rank, world_size, run, resume):
         library_logs.install()  # a spawned rank (--nproc) starts without the launcher's filters (library_logs.WARNINGS)
     with stop_on_signals("dynamo train: {signal} received: stopping after the current step (SIGINT or SIGTERM "
                          "again stops at once)" if rank == 0 else None), children_in_own_session():
-        trainer = Trainer(run, resume=resume)
+        groups = None
+        if run.rollout.placement == "separate":  # the last rollout.engine_ranks ranks only generate
+            groups = join_role_world(run, rank, world_size)
+            if groups.role == "engine":
+                from megatron_dynamo.trainer.engine_ranks import serve_engine_ranks
+
+                serve_engine_ranks(run, groups)
+                return None
+        trainer = Trainer(run, resume=resume, groups=groups)
         try:
             history = trainer.train()
         finally:
             trainer.close()
     return history if rank == 0 else None
+
+
+def join_role_world(run, rank: int, world_size: int):
+    """This rank's place in a job whose engines run on ranks of their own: its role world as the default process
+    group, and the bridge groups (``parallel.placement.join_job``), at the launcher's rendezvous address."""
+    import torch
+
+    from megatron_dynamo.parallel.placement import Placement, join_job
+    from megatron_dynamo.parallel.runtime import detect_launch
+
+    launch = detect_launch()
+    os.environ.setdefault("MASTER_ADDR", launch.master_addr)  # vLLM's external launcher reads them
+    os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    return join_job(Placement.of_run(run, world_size), rank, launch.master_addr, launch.master_port)

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from megatron_dynamo.config import ConfigError, build, load_yaml
+from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml
 from megatron_dynamo.trainer.config import ALGORITHMS, RunConfig, load_run_config
 
 # The project checkout (configs/ is not part of the installed package; the launcher needs an editable install or
@@ -31,6 +31,7 @@ class Recipe:
     gpus_per_node: int = 8
     time: str = "24:00:00"  # one Slurm allocation; the job requeues itself and resumes when it runs out
     description: str = ""
+    overrides: tuple[str, ...] = ()  # a variant of the YAML: applied first, before the site's and the user's
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
@@ -38,6 +39,14 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            description="Qwen2.5-Math-1.5B, 1 node: TP=1 PP=1 DP=8"),
     Recipe("qwen2.5-math-7b", "configs/qwen2.5-math-7b.yaml", nodes=1,
            description="Qwen2.5-Math-7B, 1 node: TP=4 (SP) PP=1 DP=2"),
+    # Generation on a node of its own, one step ahead of the update (docs/rollout.md, "Separate engine ranks"):
+    # node 0 trains (TP=4 DP=2, its state alone on each GPU), node 1 runs 4 vLLM engines of TP=2 that keep their
+    # GPUs (no sleep: 0.85 of each). The behaviour policy's staleness is corrected token by token (engine_is).
+    Recipe("qwen2.5-math-7b-separate", "configs/qwen2.5-math-7b.yaml", nodes=2,
+           description="Qwen2.5-Math-7B, 2 nodes: node 0 trains (TP=4 (SP) DP=2), node 1 generates one step ahead",
+           overrides=("rollout.placement=separate", "rollout.engine_ranks=8", "rollout.max_staleness=1",
+                      "rollout.gpu_memory_utilization=0.85", "dynamo.loss.engine_is=truncate",
+                      "trainer.output_dir=outputs/qwen2.5-math-7b-separate")),
     Recipe("qwen3-14b", "configs/qwen3-14b.yaml", nodes=2,
            description="Qwen3-14B, 2 nodes: TP=4 (SP) PP=2 DP=2"),
 )}
@@ -110,7 +119,7 @@ def _rebase(value: str, root: str) -> str:
 
 def site_overrides(recipe: Recipe, roots: SiteRoots) -> list[str]:
     """The overrides that put the recipe's relative checkpoint / data / output paths under the site's roots."""
-    yaml_run = build(RunConfig, load_yaml(str(config_path(recipe))))
+    yaml_run = build(RunConfig, apply_overrides(load_yaml(str(config_path(recipe))), list(recipe.overrides)))
     out = []
     if roots.ckpt_root:
         if yaml_run.model.checkpoint:
@@ -125,8 +134,9 @@ def site_overrides(recipe: Recipe, roots: SiteRoots) -> list[str]:
 
 
 def recipe_overrides(recipe: Recipe, roots: SiteRoots, overrides: list[str] | None = None) -> list[str]:
-    """Site overrides first, the user's after them (a later override of the same key wins)."""
-    return site_overrides(recipe, roots) + list(overrides or [])
+    """The recipe's own overrides (a variant of its YAML), then the site's, then the user's (a later override of
+    the same key wins)."""
+    return [*recipe.overrides, *site_overrides(recipe, roots), *(overrides or [])]
 
 
 def load_recipe(recipe: Recipe, overrides: list[str], algo: str = "dynamo") -> RunConfig:
@@ -148,12 +158,19 @@ class Layout:
     sequence_parallel: bool
     rollout_tensor_parallel: int
 
+    engine_ranks: int = 0  # rollout.placement: separate: the last engine_ranks ranks only generate
+
     def describe(self) -> str:
         sp = " (SP)" if self.sequence_parallel else ""
-        return (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.nodes * self.gpus_per_node} ranks: "
-                f"TP={self.tensor_parallel}{sp} PP={self.pipeline_parallel} CP={self.context_parallel} "
-                f"DP={self.data_parallel}; {self.nodes * self.gpus_per_node // self.rollout_tensor_parallel} vLLM "
-                f"engine(s) of TP={self.rollout_tensor_parallel}, one worker on every GPU")
+        world = self.nodes * self.gpus_per_node
+        head = (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {world} ranks: TP={self.tensor_parallel}{sp} "
+                f"PP={self.pipeline_parallel} CP={self.context_parallel} DP={self.data_parallel}")
+        if self.engine_ranks:
+            return (f"{head} on ranks 0-{world - self.engine_ranks - 1}; "
+                    f"{self.engine_ranks // self.rollout_tensor_parallel} vLLM engine(s) of "
+                    f"TP={self.rollout_tensor_parallel} on ranks {world - self.engine_ranks}-{world - 1}")
+        return (f"{head}; {world // self.rollout_tensor_parallel} vLLM engine(s) of TP={self.rollout_tensor_parallel}, "
+                "one worker on every GPU")
 
 
 def check_layout(run: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
@@ -161,18 +178,26 @@ def check_layout(run: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
     before anything is submitted, instead of in every rank after the queue wait)."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"nodes and gpus per node must be >= 1, got {nodes} and {gpus_per_node}")
+    from megatron_dynamo.parallel.placement import Placement
+
     world = nodes * gpus_per_node
     p = run.parallel
+    model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
     try:
-        p.validate(world)
+        p.validate()
+        placement = Placement.of_run(run, world)
+        placement.check(model_parallel, run.rollout.tensor_parallel)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if gpus_per_node % run.rollout.tensor_parallel:
         raise ConfigError(f"rollout.tensor_parallel={run.rollout.tensor_parallel} does not divide the {gpus_per_node} "
                           "GPUs of a node (every GPU hosts a vLLM worker; an engine's ranks share a node)")
+    if placement.separate and placement.engine_ranks % gpus_per_node:
+        raise ConfigError(f"rollout.engine_ranks={placement.engine_ranks} is not a whole number of {gpus_per_node}-GPU "
+                          "nodes (a node either trains or generates)")
     return Layout(nodes, gpus_per_node, p.tensor_parallel, p.pipeline_parallel, p.context_parallel,
-                  world // (p.tensor_parallel * p.pipeline_parallel * p.context_parallel), p.sequence_parallel,
-                  run.rollout.tensor_parallel)
+                  placement.trainer_ranks // model_parallel, p.sequence_parallel, run.rollout.tensor_parallel,
+                  placement.engine_ranks)
 
 
 def train_args(recipe: Recipe, overrides: list[str], algo: str = "dynamo") -> list[str]:

@@ -50,7 +50,7 @@ def failure_text(exc: BaseException, user_errors: tuple[type[BaseException], ...
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
-def _worker(rank, world_size, port, out_dir, fn, args, parent_pid=None, user_errors=()):
+def _worker(rank, world_size, port, out_dir, fn, args, parent_pid=None, user_errors=(), init_group=True):
     from megatron_dynamo.parallel.process_guard import die_with_parent
 
     with contextlib.suppress(OSError):
@@ -65,7 +65,9 @@ def _worker(rank, world_size, port, out_dir, fn, args, parent_pid=None, user_err
     try:
         if torch.cuda.is_available():  # GPU machines: one device per rank, NCCL (what Megatron needs there)
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
+        if init_group:  # else fn forms its own groups from the variables above (parallel.placement.join_job)
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank,
+                                    world_size=world_size)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
@@ -109,10 +111,11 @@ def _wait_for_ranks(processes, stop_grace: float) -> None:
 
 
 def run_on_ranks(fn, world_size: int, *args, user_errors: tuple[type[BaseException], ...] = (),
-                 forward=(), stop_grace: float = 60.0):
+                 forward=(), stop_grace: float = 60.0, init_group: bool = True):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the list of results by rank.
     A failing rank reports :func:`failure_text` ``(exc, user_errors)`` (its message for those errors, else its
-    traceback).
+    traceback). ``init_group=False``: no default process group is made; ``fn`` forms its own from the launcher
+    variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT) each rank gets.
     ``forward``: signals this process sends on to the ranks while they run (main thread only); after one, ranks
     still running when another failed get ``stop_grace`` seconds to finish before they are killed."""
     from megatron_dynamo.parallel.stop_signals import forward_signals
@@ -120,7 +123,7 @@ def run_on_ranks(fn, world_size: int, *args, user_errors: tuple[type[BaseExcepti
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         context = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, os.getpid(),
-                                                    user_errors),
+                                                    user_errors, init_group),
                                      nprocs=world_size, join=False, start_method="spawn")
         processes = context.processes
         try:

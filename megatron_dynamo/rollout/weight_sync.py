@@ -50,3 +50,39 @@ def sync_weights(engine, model: Any, arch: Any = None, *, dtype: torch.dtype | N
         for _ in stream:  # keep the other ranks' collectives going, then re-raise
             pass
         raise
+
+
+def send_weights_to_engine_ranks(control, model, *, dtype: torch.dtype | None = None) -> WeightUpdateStats:
+    """Collective over the trainer ranks (``rollout.placement: separate``): export the live weights to the first
+    trainer rank (TP/PP gathered there, ``dst_rank=0``), which streams them to every engine rank over the
+    ``control`` bridge group, one tensor at a time (``rollout.channel``). ``control``: the bridge on the first
+    trainer rank, None on the others (they only drive the gather)."""
+    import time
+
+    from megatron_dynamo.models.export import iter_hf_weights
+    from megatron_dynamo.rollout import channel
+
+    start = time.perf_counter()
+    stream = iter_hf_weights(model.chunks, model.arch, bool(getattr(model, "use_te", False)), dst_rank=0,
+                             dtype=dtype)
+    stats = WeightUpdateStats()
+    if control is None:
+        for _ in stream:
+            pass
+    else:
+        stats.bytes, stats.tensors = channel.send_weights(control, stream)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def load_weights_from_trainer_ranks(engine, control) -> WeightUpdateStats:
+    """The engine ranks' half: load the stream arriving on the ``control`` bridge into this rank's engine. A failure
+    while loading still receives the stream to its end (the group stays in step) and re-raises afterwards."""
+    from megatron_dynamo.rollout import channel
+
+    stream = channel.receive_weights(control)
+    try:
+        return engine.update_weights(stream)
+    except BaseException:
+        channel.drain(stream)
+        raise

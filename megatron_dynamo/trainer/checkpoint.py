@@ -7,6 +7,8 @@ Layout of ``<checkpoints>/step_000040``::
                                          ``python -m checkpoints_convert megatron-to-hf`` reads it directly)
     optimizer/                           dist_checkpointing of the optimizer's sharded state dict
     trainer_state.json                   step, prompt history, sampler position, RNG states, config
+    in_flight.safetensors                rollout batches generated ahead of training and not yet trained on
+                                         (``rollout.max_staleness`` > 0; ``trainer/overlap.py``)
     manifest.json                        size and SHA-256 of every other file (``checkpoint_manifest.py``)
 
 Atomicity: every rank writes into ``step_000040.tmp``; rank 0 writes ``trainer_state.json``; every rank hashes the
@@ -74,10 +76,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, trainer_state: dict[str, Any],
                     hf_config: dict[str, Any], dtype: str, keep_last: int, saved_with: dict[str, Any],
-                    hf_files_from: Sequence[str | os.PathLike] = ()) -> Path:
+                    hf_files_from: Sequence[str | os.PathLike] = (), in_flight: Sequence = ()) -> Path:
     """Collective: save a complete checkpoint of ``step`` atomically, then prune to the last ``keep_last``.
     ``hf_files_from``: directories whose tokenizer / generation-config files go into the checkpoint's ``hf/``
-    (so that ``dynamo eval`` and the converter turn it into a complete HF model on their own)."""
+    (so that ``dynamo eval`` and the converter turn it into a complete HF model on their own). ``in_flight``: the
+    rollout batches generated ahead (``RolloutBatch``, the same on every rank; rank 0 writes them)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -103,7 +106,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, train
         sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks))
         dist_checkpointing.save({"optimizer": sharded}, str(tmp / "optimizer"))
         if rank == 0:
-            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state, "manifest": MANIFEST_FILE}))
+            if in_flight:
+                save_in_flight(tmp, in_flight)
+            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state, "manifest": MANIFEST_FILE,
+                                                      "in_flight": [batch.step for batch in in_flight]}))
     except OSError as exc:
         error = exc
     _raise_if_any_rank_failed(error, tmp, "writing")
@@ -157,6 +163,34 @@ def load_checkpoint(path: str | os.PathLike, chunks, optimizer) -> dict[str, Any
         loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))
         optimizer.load_state_dict(loaded["optimizer"])
     return state
+
+
+IN_FLIGHT_FILE = "in_flight.safetensors"
+
+
+def save_in_flight(directory: Path, batches: Sequence) -> None:
+    """The rollout batches in flight as one safetensors file (plain tensors: loading it runs no code)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{batch.step}/{name}": tensor.contiguous() for batch in batches
+               for name, tensor in batch.to_tensors().items()}
+    save_file(tensors, str(directory / IN_FLIGHT_FILE))
+
+
+def load_in_flight(path: str | os.PathLike) -> list:
+    """The rollout batches a checkpoint holds in flight, in step order (none for a colocated run's)."""
+    from safetensors.torch import load_file
+
+    from megatron_dynamo.rollout.rollout_batch import RolloutBatch
+
+    file = Path(path) / IN_FLIGHT_FILE
+    if not file.exists():
+        return []
+    by_step: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(file)).items():
+        step, name = key.split("/", 1)
+        by_step.setdefault(int(step), {})[name] = tensor
+    return [RolloutBatch.from_tensors(by_step[step]) for step in sorted(by_step)]
 
 
 NO_INTACT_CHECKPOINT = "--resume: no intact checkpoint"

@@ -113,7 +113,13 @@ class RolloutConfig:
     ``offload_training_state``: move Megatron's parameters, gradients and optimizer state to host memory while vLLM
     generates (GPU; for the large recipes). ``emulate_sleep`` (tests; CPU only): the CPU engine behaves as CUDA vLLM
     does in sleep mode: ``sleep_level`` 1 keeps the weights and drops the KV cache, 2 poisons the weights (NaN) until
-    the next weight update, so a wake-up alone restores nothing (``rollout/vllm_engine.py``)."""
+    the next weight update, so a wake-up alone restores nothing (``rollout/vllm_engine.py``).
+
+    ``placement``: ``colocated`` (every rank trains and hosts a vLLM worker; the stages of a step run in turn) or
+    ``separate`` (the last ``engine_ranks`` ranks of the job only generate and score, the others only train; on a
+    cluster, whole nodes). ``max_staleness`` (K, ``separate`` only): the engines generate the next batches with
+    weights up to K updates old while the trainer updates on the current one; 0 is on-policy (docs/rollout.md,
+    ``trainer/overlap.py``)."""
 
     engine: str = "vllm"
     tensor_parallel: int = 2
@@ -125,9 +131,31 @@ class RolloutConfig:
     sleep_level: int = 2
     offload_training_state: bool = False
     emulate_sleep: bool = False
+    placement: str = "colocated"
+    engine_ranks: int = 0
+    max_staleness: int = 0
 
     def validate(self) -> None:
+        from megatron_dynamo.parallel.placement import PLACEMENTS
         from megatron_dynamo.rollout.interface import registered_engines
+
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.placement == "colocated":
+            if self.max_staleness:
+                raise ValueError(f"max_staleness: {self.max_staleness} needs placement: separate (colocated engines "
+                                 "share the training ranks and sleep while they update: nothing can overlap)")
+            if self.engine_ranks:
+                raise ValueError(f"engine_ranks: {self.engine_ranks} needs placement: separate (colocated: every "
+                                 "rank hosts an engine worker)")
+        elif self.engine_ranks < 1:
+            raise ValueError(f"placement: separate needs engine_ranks >= 1 (the ranks that only generate), got "
+                             f"{self.engine_ranks}")
+        elif self.engine_ranks % self.tensor_parallel:
+            raise ValueError(f"engine_ranks={self.engine_ranks} is not a multiple of tensor_parallel="
+                             f"{self.tensor_parallel} (engines are groups of tensor_parallel engine ranks)")
 
         if self.engine not in registered_engines():
             raise ValueError(f"engine must be one of {registered_engines()}, got {self.engine!r}")

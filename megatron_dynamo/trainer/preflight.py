@@ -164,6 +164,18 @@ def _generated_tasks():
     return GENERATED_TASKS
 
 
+def _check_layout(run: RunConfig, world_size: int) -> None:
+    """The job's ranks split into training ranks (whole model-parallel groups) and engines."""
+    from megatron_dynamo.parallel.placement import Placement
+
+    p = run.parallel
+    try:
+        Placement.of_run(run, world_size).check(p.tensor_parallel * p.pipeline_parallel * p.context_parallel,
+                                               run.rollout.tensor_parallel)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size: int | None = None,
                      resume: bool | None = None) -> RunConfig:
     """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used (with
@@ -196,9 +208,8 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size:
     if torch.cuda.is_available() and run.rollout.tensor_parallel > torch.cuda.device_count():
         raise ConfigError(f"rollout.tensor_parallel ({run.rollout.tensor_parallel}) exceeds the "
                           f"{torch.cuda.device_count()} GPU(s) of this node")
-    if world_size is not None and world_size % run.rollout.tensor_parallel:
-        raise ConfigError(f"rollout.tensor_parallel={run.rollout.tensor_parallel} does not divide the {world_size} "
-                          "ranks (every rank hosts a vLLM worker; engines are groups of rollout.tensor_parallel ranks)")
+    if world_size is not None:
+        _check_layout(run, world_size)
     evaluation = run.evaluation
     if evaluation.every or evaluation.at_start:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir

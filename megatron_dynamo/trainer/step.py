@@ -1,13 +1,13 @@
-"""One DynaMO step, stage by stage, each timed (``../shared/notes/DYNAMO.md``):
+"""One DynaMO step's update, stage by stage, each timed (the algorithm: docs/algorithm.md):
 
-    data -> allocation (rank 0, broadcast) -> rollout (every engine its share) -> reward (each engine leader)
-    -> exchange -> history -> advantages -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
+    [rollout stages: data -> allocation -> rollout -> reward -> exchange -> history]   (trainer/rollout_producer.py)
+    -> advantages -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
 
-Every rank runs this function (SPMD). Every rank hosts a vLLM worker; consecutive ranks form engines of
-``rollout.tensor_parallel`` (``rollout.sharding``). The step's prompts are split over the engines by a rule every rank
-computes alike; each engine generates its share and its leader scores it; the scored responses reach every rank as
-packed tensors (``rollout.exchange``). Everything after is computed identically on every rank from the same data,
-except the model work, which each rank does on its data-parallel share and its pipeline/tensor shard.
+Every training rank runs this (SPMD). The scored rollout reaches it whole, in one canonical order, from the engines
+of this job's ranks (colocated: :meth:`StepRunner.run_step` produces it here first) or from engine ranks of their
+own (``rollout.placement: separate``, ``trainer/overlap.py``). Everything after is computed identically on every
+rank from the same data, except the model work, which each rank does on its data-parallel share and its
+pipeline/tensor shard.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynamo.algorithms.advantages import get_advantage_estimator
-from megatron_dynamo.algorithms.allocation import PromptHistory
 from megatron_dynamo.algorithms.modulation import modulation_scope
 from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_token_values, make_micro_batches,
                                            plan_token_micro_batches, resolve_pack_sequences, scatter_token_values,
@@ -33,7 +32,7 @@ from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, to
 from megatron_dynamo.trainer.step_metrics import (RolloutError, collect_metric_sums,  # noqa: F401 (step.RolloutError)
                                                   global_denominator, is_metric_rank, parallel_state, prompt_rows,
                                                   raise_on_any_rank, reduce_scope_gaps, rollout_rows,
-                                                  scatter_engine_logprobs, solved_fraction, sum_reward_stats,
+                                                  scatter_engine_logprobs, solved_fraction,
                                                   sum_scope_gaps)
 from megatron_dynamo.trainer.token_selection import scatter_selections
 
@@ -50,42 +49,27 @@ class StageTimer:
 
 
 class StepRunner:
-    """Holds the stage objects of a run and executes steps. Built by :class:`megatron_dynamo.trainer.trainer.Trainer`."""
+    """Trains on a step's scored rollout (:meth:`train_on_batch`) and, where the engines share the training ranks,
+    runs whole steps (:meth:`run_step`). Built by :class:`megatron_dynamo.trainer.trainer.Trainer`.
 
-    def __init__(self, run, actor, engine, scorer, sampler, history: PromptHistory, tokenizer, template: str,
-                 sampling, pad_token_id: int, rollout_dtype: torch.dtype):
+    ``examples``: the run's example list (a batch names its prompts by index into it); ``engine``: this rank's
+    part of its colocated engine (None where the engines run on ranks of their own); ``producer``: the rollout
+    stages of a colocated run (``trainer/rollout_producer.py``)."""
+
+    def __init__(self, run, actor, pad_token_id: int, rollout_dtype: torch.dtype, *, examples=(), tokenizer=None,
+                 engine=None, producer=None):
         self.run = run
         self.actor = actor
-        self.engine = engine  # this rank's part of its engine (every rank)
-        self.scorer = scorer  # engine leaders only (None elsewhere)
-        self.sampler = sampler
-        self.history = history
-        self.tokenizer = tokenizer
-        self.template = template
-        self.sampling = sampling
         self.pad_token_id = pad_token_id
         self.rollout_dtype = rollout_dtype
+        self.examples = examples
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.producer = producer
+        if producer is not None:
+            producer.awake = self.engine_awake
+        self.current_step = 0  # seeds the baselines' random token selection (trainer/token_selection.py)
         self._logs_started: set[str] = set()  # the first step logged to a file drops that file's later rows
-        # The split of a step's prompts over engines weighs responses by the last step's mean length (the same
-        # number on every rank: it comes from the exchanged rollout). It only balances load: results do not
-        # depend on it.
-        self.expected_response_tokens = run.rollout.max_response_tokens / 2
-
-    # ------------------------------------------------------------------ stages
-    def _prompts(self, examples) -> list[tuple[int, ...]]:
-        from megatron_dynamo.data.prompt_length import fit_prompt
-        from megatron_dynamo.data.templates import render
-
-        out = []
-        self.prompts_truncated = 0
-        for example in examples:
-            ids = self.tokenizer.encode(render(self.template, example.problem), add_special_tokens=False)
-            # Left-truncate long prompts (paper: prompts left-truncated to the max prompt length); data.prompt_overflow
-            # decided before the run whether any may be cut (data/prompt_length.py).
-            ids, cut = fit_prompt(ids, self.run.data.max_prompt_tokens)
-            self.prompts_truncated += cut
-            out.append(ids)
-        return out
 
     @contextmanager
     def engine_awake(self, keep_weights: bool = False):
@@ -121,107 +105,62 @@ class StepRunner:
             if offload is not None:
                 offload.reload()
 
-    def _rollout_and_reward(self, step, examples, counts, timer):
-        """Every rank: generate this engine's share of the prompts, score it on the engine leader, exchange.
-        Returns (responses as (prompt id, prompt tokens, response tokens), rewards, metrics, the engine's
-        per-token log-probs of each response: NaN where it gave none)."""
-        from megatron_dynamo.rollout.exchange import ScoredResponses, gather_rollout
-        from megatron_dynamo.rollout.interface import GenerationRequest
-        from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
-
-        layout = self.engine.layout
-        with timer("data"):
-            prompt_tokens = self._prompts(examples)
-        loads = request_loads([len(t) for t in prompt_tokens], counts, self.expected_response_tokens)
-        assignment = assign_to_engines(loads, layout.num_engines)
-        mine = [i for i, engine in enumerate(assignment) if engine == layout.engine_index]
-        index_of = {examples[i].id: i for i in mine}
-        requests = [GenerationRequest(prompt_id=examples[i].id, prompt_token_ids=prompt_tokens[i], count=int(counts[i]))
-                    for i in mine]
-        local, stats, failure = None, None, None
-        try:
-            with timer("rollout"), self.engine_awake():
-                responses = self.engine.generate(requests, self.sampling, step=step)
-            if layout.is_leader:
-                with timer("reward"):
-                    references = {examples[i].id: examples[i].references() for i in mine}
-                    scored = self.scorer.score([r.text or "" for r in responses],
-                                               [references[r.prompt_id] for r in responses],
-                                               finish_reasons=[r.finish_reason for r in responses])
-                local = ScoredResponses([index_of[r.prompt_id] for r in responses],
-                                        [r.sample_index for r in responses], [r.token_ids for r in responses],
-                                        [r.truncated for r in responses], [float(x) for x in scored.rewards],
-                                        [r.logprobs for r in responses])
-                stats = scored.stats
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
-            failure = f"{type(exc).__name__}: {exc}"
-        raise_on_any_rank(failure, f"step {step}: the rollout failed")
-        with timer("exchange"):
-            rollout = gather_rollout(local)
-            reward_metrics = sum_reward_stats(stats)
-        responses = [(examples[p].id, prompt_tokens[p], toks) for p, toks in zip(rollout.prompt_index,
-                                                                                 rollout.token_ids)]
-        lengths = [len(t) for t in rollout.token_ids]
-        per_engine = engine_loads(lengths, [assignment[p] for p in rollout.prompt_index], layout.num_engines)
-        if lengths:
-            self.expected_response_tokens = float(np.mean(lengths))
-        reward_metrics["response_length_mean"] = float(np.mean(lengths)) if lengths else 0.0
-        reward_metrics["rollout/response_length_max"] = float(max(lengths)) if lengths else 0.0
-        reward_metrics["rollout/truncated_frac"] = float(np.mean(rollout.truncated)) if lengths else 0.0
-        reward_metrics["rollout/engines"] = layout.num_engines
-        mean_tokens = float(np.mean(per_engine))
-        reward_metrics["rollout/engine_tokens_max_over_mean"] = max(per_engine) / mean_tokens if mean_tokens else 1.0
-        return responses, rollout.rewards, reward_metrics, rollout.logprobs
-
     def run_step(self, step: int) -> dict[str, Any]:
-        from megatron_dynamo.rollout.allocation import allocate_counts
-
-        run = self.run
+        """A colocated step: the rollout on this job's engines (with the weights of step ``step - 1``), the update
+        on it, and the new weights into the engines."""
         timer = StageTimer()
         start = time.perf_counter()
+        batch = self.producer.produce(step, step - 1, timer)
+        metrics = self.train_on_batch(batch, timer)
+        with timer("weight_sync"):
+            metrics.update(self._sync_weights(step))
+        metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+        metrics["step_seconds"] = time.perf_counter() - start
+        return metrics
+
+    def train_on_batch(self, batch, timer: StageTimer) -> dict[str, Any]:
+        """Advantages, the per-prompt logs and the update of one scored rollout (a
+        :class:`~megatron_dynamo.rollout.rollout_batch.RolloutBatch`); returns the step's metrics (the caller adds
+        the stage times)."""
+        run = self.run
         rank = dist.get_rank()
-        with timer("data"):
-            examples = self.sampler.next_batch(run.data.prompts_per_step)
-            prompt_ids = [ex.id for ex in examples]
-        with timer("allocation"):
-            allocation = allocate_counts(self.history, prompt_ids, run.dynamo.allocation)
-            counts, variance_ratio = allocation.counts, allocation.predicted_variance_ratio
-        responses, rewards, reward_metrics, engine_logprobs = self._rollout_and_reward(step, examples, counts, timer)
+        examples = [self.examples[i] for i in batch.example_indices]
+        prompt_ids = [ex.id for ex in examples]
+        rollout = batch.responses
+        responses = [(prompt_ids[p], batch.prompt_tokens[p], toks) for p, toks in zip(rollout.prompt_index,
+                                                                                     rollout.token_ids)]
+        rewards = rollout.rewards
         with timer("advantages"):
             response_ids = [pid for pid, _, _ in responses]
-            self.history.update(response_ids, np.asarray(rewards) > 0.5)
             estimator = get_advantage_estimator(run.dynamo.advantage_estimator)
             advantages = estimator(torch.tensor(rewards, dtype=torch.float64), response_ids,
                                    normalize_std=run.dynamo.normalize_advantage_std)
             samples = [Sample(i, pid, tuple(ptoks), tuple(rtoks), rewards[i], float(advantages[i]),
-                              engine_logp=engine_logprobs[i])
+                              engine_logp=rollout.logprobs[i])
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
         if rank == 0:
-            self._append_rows("prompts.jsonl", step, prompt_rows(step, prompt_ids, counts, response_ids, rewards))
+            self._append_rows("prompts.jsonl", batch.step,
+                              prompt_rows(batch.step, prompt_ids, batch.counts, response_ids, rewards))
             if run.logging.rollouts:
-                rows = rollout_rows(step, responses, rewards, self.tokenizer.decode)
-                self._append_rows("rollouts.jsonl", step, rows)
-        self.current_step = step  # seeds the baselines' random token selection (trainer/token_selection.py)
+                rows = rollout_rows(batch.step, responses, rewards, self.tokenizer.decode)
+                self._append_rows("rollouts.jsonl", batch.step, rows)
+        self.current_step = batch.step
         update_metrics = self.update(samples, prompt_ids, timer)
-        with timer("weight_sync"):
-            sync_stats = self._sync_weights(step)
-        counts = np.asarray(counts)
-        metrics = {
+        counts = np.asarray(batch.counts)
+        reward_metrics = dict(batch.metrics)
+        prompts_truncated = reward_metrics.pop("data/prompts_truncated", 0)
+        return {
             "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
             "rollouts": int(counts.sum()),
             "alloc_min": int(counts.min()),
             "alloc_max": int(counts.max()),
-            "variance_ratio": float(variance_ratio),
+            "variance_ratio": float(batch.variance_ratio),
             "alloc_counts": [int(c) for c in counts],
             "reward/prompts_solved_frac": solved_fraction(response_ids, rewards),
-            "data/prompts_truncated": self.prompts_truncated,
+            "data/prompts_truncated": prompts_truncated,
             **update_metrics,
             **reward_metrics,
-            **sync_stats,
-            **{f"time/{k}": v for k, v in timer.seconds.items()},
         }
-        metrics["step_seconds"] = time.perf_counter() - start
-        return metrics
 
     def _append_rows(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
         """Rank 0: ``rows`` of ``step`` appended to ``<output_dir>/<name>``. The first step this runner writes there
@@ -309,7 +248,7 @@ class StepRunner:
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
         # The baselines' mini-batch-wide token selections (Fork Tokens, Clip-COV, KL-COV), from the same pass.
         scatter_selections(run.dynamo.loss, plans, old, last_stage, dp_group, run.trainer.seed,
-                           getattr(self, "current_step", 0))
+                           self.current_step)
         # Every mini-batch's modulation scope (H_min, H_max, max Xi over its tokens and the DP group) under the old
         # policy, from the old-log-prob pass: no extra forward. It is the exact scope of the first mini-batch
         # (pi = pi_old before the first update) and, with modulation.scope: old_policy, the one used for all.

@@ -92,10 +92,11 @@ def scatter_engine_logprobs(samples: list[Sample], plans, last_stage: bool,
 def raise_on_any_rank(failure: str | None, what: str) -> None:
     """Collective: raise :class:`RolloutError` on every rank if any rank has a ``failure`` (its text, else None),
     naming the first failed rank's reason."""
+    from megatron_dynamo.parallel.placement import job_rank
     from megatron_dynamo.parallel.runtime import collective_device
 
     if dist.get_world_size() == 1:
-        failed = [failure] if failure is not None else []
+        failed = [] if failure is None else [failure] if job_rank(0) == 0 else [f"rank {job_rank(0)}: {failure}"]
     else:
         flag = torch.tensor([0.0 if failure is None else 1.0], device=collective_device())
         dist.all_reduce(flag)
@@ -103,7 +104,7 @@ def raise_on_any_rank(failure: str | None, what: str) -> None:
             return
         reasons = [None] * dist.get_world_size()
         dist.all_gather_object(reasons, failure)  # a few lines of text, only on failure
-        failed = [f"rank {r}: {text}" for r, text in enumerate(reasons) if text is not None]
+        failed = [f"rank {job_rank(r)}: {text}" for r, text in enumerate(reasons) if text is not None]
     if failed:
         raise RolloutError(f"{what} ({failed[0]}). The checkpoints written so far are intact: fix the cause and "
                            "rerun with --resume.")

@@ -10,61 +10,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from megatron_dynamo.algorithms.allocation import PromptHistory
 from megatron_dynamo.trainer.config import RunConfig
+# The run's errors and the rollout side's builders live beside it; importable from here too.
+from megatron_dynamo.trainer.errors import ResumeError, TrainingError, TrainingStopped  # noqa: F401
+from megatron_dynamo.trainer.rollout_setup import build_tokenizer, hf_weight_source  # noqa: F401
 from megatron_dynamo.trainer.sft import set_learning_rate
 
 log = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
-    """A run cannot go on; the message says why and what was kept."""
-
-
-class ResumeError(TrainingError):
-    """``--resume`` found checkpoints but none intact (``dynamo train`` exits 2: bad input)."""
-
-
-class TrainingStopped(TrainingError):
-    """The run stopped at a step boundary on SIGINT / SIGTERM (``signum``) after ``step``; the message says which
-    checkpoint holds it."""
-
-    def __init__(self, message: str, signum: int, step: int):
-        super().__init__(message)
-        self.signum = signum
-        self.step = step
-
-
-def build_tokenizer(run: RunConfig, output_dir: Path):
-    """The run's tokenizer, saved under ``<output_dir>/tokenizer`` (the rollout engine loads it from there)."""
-    target = output_dir / "tokenizer"
-    if run.model.tokenizer == "char":
-        from megatron_dynamo.data.tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer(str(target))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(run.model.tokenizer)
-    tokenizer.save_pretrained(str(target))
-    return tokenizer
-
-
-def _hf_weight_source(path: str | None):
-    """A tensor getter for an HF model directory, or None (random init / Megatron checkpoint)."""
-    if path is None:
-        return None
-    from megatron_dynamo.models.checkpoint_io import HFCheckpointReader, is_model_checkpoint
-
-    if is_model_checkpoint(path):
-        return None
-    return HFCheckpointReader(path).get
-
-
 class Trainer:
-    def __init__(self, run: RunConfig, resume: bool = False):
+    """One training rank's run. ``groups``: this rank's place in a job whose engines run on ranks of their own
+    (``parallel.placement.join_job``; None: colocated engines, one in every rank)."""
+
+    def __init__(self, run: RunConfig, resume: bool = False, groups=None):
         from megatron_dynamo.models.qwen import load_hf_config
         from megatron_dynamo.parallel import runtime
         from megatron_dynamo.trainer.checkpoint import list_checkpoints
@@ -76,6 +38,8 @@ class Trainer:
             raise TrainingError(str(exc)) from None
         self.run = run
         self.resume = resume
+        self.groups = groups
+        self.source = None  # where the steps' rollouts come from (set by train())
         self.output_dir = Path(run.trainer.output_dir)
         self.checkpoint_root = Path(run.checkpoint.dir or self.output_dir / "checkpoints")
         if not resume and list_checkpoints(self.checkpoint_root):
@@ -130,27 +94,17 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
         from megatron_dynamo.data.dataset import PromptSampler
-        from megatron_dynamo.rollout.interface import SamplingConfig
         from megatron_dynamo.trainer.actor import MegatronActor
-        from megatron_dynamo.trainer.preflight import load_examples
+        from megatron_dynamo.trainer.rollout_setup import rollout_dtype, sampling_config, training_examples
         from megatron_dynamo.trainer.step import StepRunner
 
         run = self.run
         if self.hf_config["vocab_size"] < len(self.tokenizer):
             raise TrainingError(f"model vocab_size {self.hf_config['vocab_size']} is smaller than the tokenizer "
                                 f"({len(self.tokenizer)} tokens)")
-        self.examples = load_examples(run)  # before the model: a data set too small for a step fails first
-        if run.data.prompt_overflow == "drop":  # long prompts left out (the launcher's preflight accepted the share)
-            from megatron_dynamo.data.prompt_length import fitting_examples, prompt_token_lengths
-
-            self.examples = fitting_examples(self.examples, prompt_token_lengths(self.examples, self.tokenizer,
-                                                                                 run.data.template),
-                                             run.data.max_prompt_tokens)
-        if len(self.examples) < run.data.prompts_per_step:
-            raise TrainingError(f"data.train has {len(self.examples)} usable prompts, fewer than data.prompts_per_step "
-                                f"({run.data.prompts_per_step}): a step never holds a prompt twice")
+        self.examples = training_examples(run, self.tokenizer)  # before the model: too few prompts fail first
         self.sampler = PromptSampler(self.examples, seed=run.data.seed)
-        hf_weights = _hf_weight_source(run.model.checkpoint)
+        hf_weights = hf_weight_source(run.model.checkpoint)
         self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
                                    sequence_parallel=run.parallel.sequence_parallel)
         if run.model.checkpoint and hf_weights is None:
@@ -161,57 +115,21 @@ class Trainer:
         self.history = PromptHistory(decay=run.dynamo.allocation.history_decay)
         eos = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        self.rollout_dtype = torch.bfloat16 if (torch.cuda.is_available() and run.model.dtype == "bf16") else torch.float32
-        # Stop where the model's turn ends: the tokenizer's EOS, the model's generation_config.json end tokens (its
-        # HF directory, a Megatron checkpoint's hf/, the tokenizer directory) and the template's end of turn.
-        from megatron_dynamo.data.stopping import GenerationConfigError, copy_generation_config, stop_token_ids
+        self.rollout_dtype = rollout_dtype(run)
+        self.sampling = sampling_config(run, self.tokenizer,
+                                        self.output_dir / "tokenizer" if self.rank == 0 else None)
+        self.engine = self.scorer = producer = None
+        if self.groups is None:  # colocated: this rank hosts its part of an engine
+            from megatron_dynamo.trainer.rollout_producer import RolloutProducer
+            from megatron_dynamo.trainer.rollout_setup import create_engine, create_scorer
 
-        model_dirs = [run.model.tokenizer]
-        if run.model.checkpoint:
-            model_dirs.insert(0, run.model.checkpoint if hf_weights is not None else Path(run.model.checkpoint) / "hf")
-        try:
-            stop_ids = stop_token_ids(self.tokenizer, run.data.template, model_dirs)
-            if self.rank == 0:  # saved checkpoints (hf/) and the exported model carry it from the tokenizer dir
-                copy_generation_config(model_dirs, self.output_dir / "tokenizer")
-        except (GenerationConfigError, OSError) as exc:
-            raise TrainingError(str(exc)) from None
-        self.sampling = SamplingConfig(temperature=run.rollout.temperature, top_p=run.rollout.top_p,
-                                       max_tokens=run.rollout.max_response_tokens, seed=run.trainer.seed,
-                                       stop_token_ids=stop_ids)
-        self.engine = self._build_engine()
-        self.scorer = None
-        if self.engine.layout.is_leader:
-            from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
-
-            self.scorer = MathRewardScorer(num_workers=reward_workers_per_scorer(self.engine.layout.tensor_parallel))
-        self.runner = StepRunner(run, self.actor, self.engine, self.scorer, self.sampler, self.history,
-                                 self.tokenizer, run.data.template, self.sampling, self.pad_token_id,
-                                 self.rollout_dtype)
-
-    def _build_engine(self):
-        """This rank's part of its rollout engine (every rank hosts a vLLM worker; ``rollout.tensor_parallel``
-        consecutive ranks form an engine), started from the run's tokenizer and model config with random weights:
-        Megatron's are loaded before the first rollout (no model file is written). Rank 0 writes the directory."""
-        from megatron_dynamo.rollout.interface import create_engine
-
-        model_dir = self.output_dir / "rollout_model"
-        if self.rank == 0:
-            model_dir.mkdir(parents=True, exist_ok=True)
-            (model_dir / "config.json").write_text(json.dumps(self.hf_config, indent=2))
-            self.tokenizer.save_pretrained(str(model_dir))
-        dist.barrier()
-        run = self.run
-        gpu = torch.cuda.is_available()
-        return create_engine(run.rollout.engine, model=str(model_dir),
-                             tensor_parallel_size=run.rollout.tensor_parallel,
-                             dtype="bfloat16" if self.rollout_dtype == torch.bfloat16 else "float32",
-                             max_model_len=self.engine_max_len, seed=run.trainer.seed,
-                             gpu_memory_utilization=run.rollout.gpu_memory_utilization,
-                             enable_sleep_mode=run.rollout.sleep_during_training and gpu,
-                             sleep_level=run.rollout.sleep_level,
-                             emulate_sleep=run.rollout.emulate_sleep and not gpu,
-                             # Random weights at start: the trainer loads its own before the first rollout.
-                             engine_kwargs={"load_format": "dummy"})
+            self.engine = create_engine(run, self.output_dir / "rollout_model", self.hf_config, self.tokenizer,
+                                        self.engine_max_len, sleep_mode=True)
+            self.scorer = create_scorer(self.engine)
+            producer = RolloutProducer(run, self.examples, self.engine, self.scorer, self.sampler, self.history,
+                                       self.tokenizer, self.sampling)
+        self.runner = StepRunner(run, self.actor, self.pad_token_id, self.rollout_dtype, examples=self.examples,
+                                 tokenizer=self.tokenizer, engine=self.engine, producer=producer)
 
     # ------------------------------------------------------------------ phases
     def sft_warmup(self) -> list[float]:
@@ -223,28 +141,30 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         """Run the steps. A stop signal (``parallel.stop_signals``) ends the run at the next step boundary that
         all ranks agree on, with that step's checkpoint saved: :class:`TrainingStopped`."""
-        from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
-        from megatron_dynamo.rollout.weight_sync import sync_weights
-        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, load_checkpoint
+        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, load_checkpoint, load_in_flight
         from megatron_dynamo.trainer.metrics import (MetricsLogger, MetricsLoggerError, format_duration,
                                                      plot_reward_curve)
+        from megatron_dynamo.trainer.overlap import check_in_flight
 
         run = self.run
         started = time.perf_counter()
         start_step = 0
         latest = self.resume_from
+        in_flight = []
         if self.resume and latest is None and self.rank == 0:
             log.warning("--resume: no checkpoint under %s; starting from scratch", self.checkpoint_root)
         if latest is not None:
             state = load_checkpoint(latest, self.actor.chunks, self.actor.optimizer)
             self._load_trainer_state(state)
             start_step = state["step"]
+            in_flight = load_in_flight(latest)
+            check_in_flight(in_flight, start_step, run)
             if self.rank == 0:
                 log.info("--resume: loaded step %d from %s", start_step, latest)
         else:
             self.sft_warmup()
         saved_step = start_step if latest is not None else None
-        sync_weights(self.engine, self.actor, dtype=self.rollout_dtype)
+        self.source = self._rollout_source()
         logger = None
         if self.rank == 0:
             try:
@@ -256,22 +176,20 @@ class Trainer:
                 raise TrainingError(str(exc)) from None
         history = []
         try:
-            if run.evaluation.at_start and start_step == 0:
-                eval_metrics = self.evaluate(0)  # every rank: the problems are split over all engines
-                if logger is not None:
-                    logger.log(0, eval_metrics)
+            # Every rank: the problems of an evaluation are split over all engines.
+            eval_metrics = self.source.start(start_step, in_flight, run.evaluation.at_start and start_step == 0)
+            if eval_metrics and logger is not None:
+                logger.log(0, eval_metrics)
             if run.trainer.steps == 0 and latest is None:  # the warm-up alone: its model is the run's result
                 self.save(0)
             for step in range(start_step + 1, run.trainer.steps + 1):
-                signum = agreed_stop_signal()  # every rank, so all stop after the same step
+                signum = self.source.stop_signal()  # every rank, so all stop after the same step
                 if signum:
                     self._stop_after(step - 1, signum, start_step, saved_step)
                 warmup = run.trainer.warmup_steps
                 set_learning_rate(self.actor, run.optim.lr * min(1.0, step / warmup) if warmup else run.optim.lr)
-                metrics = self.runner.run_step(step)
                 every = run.evaluation.every
-                if every and (step % every == 0 or step == run.trainer.steps):
-                    metrics.update(self.evaluate(step))
+                metrics = self.source.step(step, bool(every) and (step % every == 0 or step == run.trainer.steps))
                 history.append(metrics)
                 if logger is not None:
                     logger.log(step, metrics)
@@ -284,6 +202,10 @@ class Trainer:
                             log.error("%s", exc)
                         if step == run.trainer.steps:
                             raise TrainingError(str(exc)) from None
+            self.source.close()
+        except TrainingStopped:
+            self.source.close()  # at a step boundary: the engines wait for a command, so they can be told
+            raise
         finally:
             if logger is not None:
                 logger.close()
@@ -295,6 +217,15 @@ class Trainer:
             log.info("done: %d steps in %s -> %s", run.trainer.steps - start_step,
                      format_duration(time.perf_counter() - started), self.output_dir)
         return history
+
+    def _rollout_source(self):
+        """Where the step's rollout comes from: this job's colocated engines, or the engine ranks (``groups``)."""
+        if self.groups is None:
+            return ColocatedRollout(self)
+        from megatron_dynamo.trainer.overlap import RemoteRollout
+
+        return RemoteRollout(self.groups, self.run, self.runner, self.actor, self.history, self.sampler,
+                             self.rollout_dtype)
 
     def _stop_after(self, step: int, signum: int, start_step: int, saved_step: int | None):
         """End the run at the boundary after ``step`` (all ranks): save its checkpoint unless it is saved already,
@@ -322,30 +253,16 @@ class Trainer:
                               f"({self.checkpoint_root / step_dir_name(step)}); {resume}", signum, step)
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Every rank: the periodic benchmark evaluation on all rollout engines, which hold the weights of ``step``
-        (rank 0 writes ``<output_dir>/eval/step_<N>``; a resumed run finishes an interrupted one there)."""
-        import time
+        """Every rank of a colocated job: the periodic benchmark evaluation on all rollout engines, which hold the
+        weights of ``step`` (rank 0 writes ``<output_dir>/eval/step_<N>`` and gets the metrics)."""
+        from functools import partial
 
-        from megatron_dynamo.eval.runner import EvalError, evaluate, summary_metrics
-        from megatron_dynamo.trainer.checkpoint import step_dir_name
-        from megatron_dynamo.trainer.config import eval_config
+        from megatron_dynamo.trainer.rollout_setup import evaluate_on_engines
 
-        start = time.perf_counter()
-        config = eval_config(self.run, stop_token_ids=self.sampling.stop_token_ids)
-        try:
-            # The weights of `step` stay in the engine for the next rollout (a level-2 sleep would discard them).
-            with self.runner.engine_awake(keep_weights=True):
-                summary = evaluate(self.engine, self.tokenizer, self.scorer, config,
-                                   self.output_dir / "eval" / step_dir_name(step), model=f"training step {step}",
-                                   max_prompt_tokens=self.engine_max_len - 1, progress="bar")
-        except (EvalError, OSError) as exc:
-            raise TrainingError(f"evaluation after step {step} failed: {exc}") from None
-        metrics = {**summary_metrics(summary), "time/eval": time.perf_counter() - start}
-        if self.rank != 0:
-            return {}
-        log.info("eval after step %d: %s", step, ", ".join(f"{k.removeprefix('eval/avg/')} {v:.3f}"
-                                                             for k, v in metrics.items() if k.startswith("eval/avg/")))
-        return metrics
+        # The weights of `step` stay in the engine for the next rollout (a level-2 sleep would discard them).
+        return evaluate_on_engines(self.run, self.engine, self.tokenizer, self.scorer, self.sampling, step,
+                                   self.output_dir, self.engine_max_len,
+                                   awake=partial(self.runner.engine_awake, keep_weights=True))
 
     def export_hf(self) -> Path:
         """Convert the latest checkpoint to an HF model directory (``<output_dir>/hf``) with the converter."""
@@ -379,11 +296,12 @@ class Trainer:
         from megatron_dynamo.trainer.checkpoint import save_checkpoint
 
         info = self.info
+        in_flight = self.source.in_flight(step) if self.source is not None else []
         return save_checkpoint(self.checkpoint_root, step, self.actor.chunks, self.actor.optimizer,
                                self.trainer_state(), self.hf_config, self.run.model.dtype,
                                self.run.checkpoint.keep_last,
                                saved_with={"tp": info.tp_size, "pp": info.pp_size, "dp": info.dp_size},
-                               hf_files_from=[self.output_dir / "tokenizer"])
+                               hf_files_from=[self.output_dir / "tokenizer"], in_flight=in_flight)
 
     def close(self) -> None:
         """Stop the reward workers, then the engine: last, since vLLM's shutdown ends the default process group."""
@@ -391,3 +309,36 @@ class Trainer:
             self.scorer.close()
         if getattr(self, "engine", None) is not None:
             self.engine.close()
+
+
+class ColocatedRollout:
+    """The rollout of a colocated job: every rank generates its engine's share of each step with the weights just
+    synced, so the steps run stage after stage (``StepRunner.run_step``)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def start(self, start_step: int, in_flight: list, evaluate: bool) -> dict[str, Any]:
+        """The trainer's weights into the engines; ``evaluate``: evaluate them (metrics on rank 0)."""
+        from megatron_dynamo.rollout.weight_sync import sync_weights
+
+        trainer = self.trainer
+        sync_weights(trainer.engine, trainer.actor, dtype=trainer.rollout_dtype)
+        return trainer.evaluate(0) if evaluate else {}
+
+    def stop_signal(self) -> int:
+        from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
+
+        return agreed_stop_signal()
+
+    def step(self, step: int, evaluate: bool) -> dict[str, Any]:
+        metrics = self.trainer.runner.run_step(step)
+        if evaluate:
+            metrics.update(self.trainer.evaluate(step))
+        return metrics
+
+    def in_flight(self, step: int) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
