@@ -121,7 +121,6 @@ def _worker(cfg: dict) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(cfg["threads"])
-    from megatron_dynamo.algorithms.allocation import PromptHistory
     from megatron_dynamo.parallel import runtime
     from megatron_dynamo.trainer.actor import MegatronActor
     from megatron_dynamo.trainer.batch import Sample, sequence_length
@@ -146,8 +145,7 @@ def _worker(cfg: dict) -> dict:
     runtime.init_distributed(run.parallel, seed=0)
     actor = MegatronActor(cfg["model"], dtype=run.model.dtype, optim=run.optim,
                           sequence_parallel=run.parallel.sequence_parallel)
-    runner = StepRunner(run, actor, None, None, None, PromptHistory(), None, "", None, 0,
-                        torch.bfloat16 if cuda and run.model.dtype == "bf16" else torch.float32)
+    runner = StepRunner(run, actor, 0, torch.bfloat16 if cuda and run.model.dtype == "bf16" else torch.float32)
     ptoks = dict((pid, tuple(t)) for pid, t in prompts)
     samples = [Sample(i, pid, ptoks[pid], tuple(r), 0.0, adv) for i, (pid, r, adv) in enumerate(responses)]
     order = [pid for pid, _ in prompts]
