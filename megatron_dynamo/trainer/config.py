@@ -191,7 +191,9 @@ class TrainerConfig:
     task's worked solution where it has one) come first, ``sft_batch_size`` sequences each (used by the synthetic
     CPU tasks so that rewards are not all 0); ``steps: 0`` runs only that warm-up and saves it as checkpoint step 0
     (``dynamo ablate`` starts every variant of a seed from it). ``warmup_steps`` is the learning-rate warm-up
-    (paper: 10)."""
+    (paper: 10). ``old_logprob_pass``: ``auto`` leaves the old-log-prob forward out where the update's own forward
+    gives the same numbers (one mini-batch, one epoch, no modulation or mini-batch token selection:
+    ``trainer/old_logprobs.py``); ``always`` runs it every step."""
 
     steps: int = 100
     mini_batch_prompts: int = 32
@@ -201,6 +203,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 0
     pack_sequences: bool | str = "auto"
     fused_output_layer: bool = True
+    old_logprob_pass: str = "auto"
     sft_warmup_steps: int = 0
     sft_batch_size: int = 64
     sft_lr: float = 1e-3
@@ -216,6 +219,10 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pack_sequences not in PACK_SEQUENCES:
             raise ValueError(f"pack_sequences must be one of {PACK_SEQUENCES}, got {self.pack_sequences!r}")
+        from megatron_dynamo.trainer.old_logprobs import OLD_LOGPROB_PASSES
+
+        if self.old_logprob_pass not in OLD_LOGPROB_PASSES:
+            raise ValueError(f"old_logprob_pass must be one of {OLD_LOGPROB_PASSES}, got {self.old_logprob_pass!r}")
 
 
 @dataclass(frozen=True)
