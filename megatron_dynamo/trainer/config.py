@@ -113,7 +113,9 @@ class RolloutConfig:
     ``offload_training_state``: move Megatron's parameters, gradients and optimizer state to host memory while vLLM
     generates (GPU; for the large recipes). ``emulate_sleep`` (tests; CPU only): the CPU engine behaves as CUDA vLLM
     does in sleep mode: ``sleep_level`` 1 keeps the weights and drops the KV cache, 2 poisons the weights (NaN) until
-    the next weight update, so a wake-up alone restores nothing (``rollout/vllm_engine.py``)."""
+    the next weight update, so a wake-up alone restores nothing (``rollout/vllm_engine.py``). ``cpu_kvcache_gb``:
+    the CPU engine's KV cache in GiB; null (default): what a step needs, from the model's layers and KV heads, the
+    engine's max_model_len and the step's rollout budget, at least 64 MiB (``rollout/kv_cache.py``)."""
 
     engine: str = "vllm"
     tensor_parallel: int = 2
@@ -125,6 +127,7 @@ class RolloutConfig:
     sleep_level: int = 2
     offload_training_state: bool = False
     emulate_sleep: bool = False
+    cpu_kvcache_gb: float | None = None
 
     def validate(self) -> None:
         from megatron_dynamo.rollout.interface import registered_engines
@@ -143,6 +146,8 @@ class RolloutConfig:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        if self.cpu_kvcache_gb is not None and not self.cpu_kvcache_gb > 0:
+            raise ValueError(f"cpu_kvcache_gb must be > 0 (null: sized to the run), got {self.cpu_kvcache_gb}")
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,7 @@ class Trainer:
         consecutive ranks form an engine), started from the run's tokenizer and model config with random weights:
         Megatron's are loaded before the first rollout (no model file is written). Rank 0 writes the directory."""
         from megatron_dynamo.rollout.interface import create_engine
+        from megatron_dynamo.rollout.kv_cache import kv_cache_size
 
         model_dir = self.output_dir / "rollout_model"
         if self.rank == 0:
@@ -210,6 +211,7 @@ class Trainer:
                              enable_sleep_mode=run.rollout.sleep_during_training and gpu,
                              sleep_level=run.rollout.sleep_level,
                              emulate_sleep=run.rollout.emulate_sleep and not gpu,
+                             **kv_cache_size(run, self.hf_config, self.engine_max_len, gpu),
                              # Random weights at start: the trainer loads its own before the first rollout.
                              engine_kwargs={"load_format": "dummy"})
 
