@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,8 +202,9 @@ def bench_shape(name: str, args, work: Path) -> str:
     pairs, traces = [], []
     for index in range(args.pairs):
         ours_dir, trl_dir = shape_dir / f"pair{index}_ours", shape_dir / f"pair{index}_trl"
-        for directory in (ours_dir, trl_dir):
-            directory.mkdir(parents=True, exist_ok=True)
+        for directory in (ours_dir, trl_dir):  # this benchmark's own runs: a new run each time
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
         ours, ours_trace = run_ours(shape, hf, steps, ours_dir, args.interval)
         print(f"bench_peer: {name} pair {index} ours: step {ours['step_s']:.3f} s, peak {ours['peak_pss_gib']:.2f} GiB",
               flush=True)
