@@ -24,14 +24,13 @@ from __future__ import annotations
 import torch
 
 from megatron_dynamo.algorithms.baselines import SELECTION_LOSSES
-from megatron_dynamo.trainer.batch import gather_token_values
 from megatron_dynamo.trainer.step_metrics import engine_gap_metrics, scatter_into_plans
 
 #: trainer.old_logprob_pass: ``auto`` leaves the pass out where the update's forward gives the same numbers;
 #: ``always`` runs it every step.
 OLD_LOGPROB_PASSES = ("auto", "always")
 
-#: The per-token outputs the update's loss returns when it stands in for the old-log-prob pass.
+#: The per-token outputs the update's loss returns when it stands in for the old-log-prob pass (``token/<name>``).
 TOKEN_OUTPUTS = ("logp", "entropy")
 
 
@@ -51,18 +50,26 @@ def full_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def old_stats_from_update(plans, results, last_stage: bool) -> dict[int, dict[str, torch.Tensor]]:
-    """After the update of the single mini-batch of ``plans``: per sample index, the ``logp`` and ``entropy`` of its
-    response tokens that the update's loss returned (``token/logp``, ``token/entropy``, computed on the weights
-    before the optimizer step: the old policy), i.e. what the old-log-prob pass would have returned (empty off the
-    last pipeline stage); its log-probs go into the micro-batches as ``old_logp`` as the pass puts them."""
-    per_sample: dict[int, dict[str, torch.Tensor]] = {}
-    for mb, out in zip(plans[0][1], results):
-        for name in TOKEN_OUTPUTS:
-            for index, values in gather_token_values(mb, out[f"token/{name}"]).items():
-                per_sample.setdefault(index, {})[name] = values
-    put_old_logp(plans, per_sample, last_stage)
-    return per_sample
+def entropies_from_update(plans, results, last_stage: bool) -> torch.Tensor:
+    """After the update of the single mini-batch of ``plans``: its log-probs (``token/logp``, computed on the weights
+    before the optimizer step: the old policy) into its micro-batches as ``old_logp``, in the layout the pass's
+    scatter gives (``full_token_values``: the values at the response positions, 0 elsewhere; zeros off the last
+    pipeline stage); returns the response tokens' entropies in the order the pass's per-sample stats give them
+    (micro-batch, sample, position): :func:`old_entropies` of the pass, without a per-sample gather and scatter."""
+    micro = plans[0][1]
+    if not last_stage:
+        scatter_into_plans(plans, {}, "old_logp", last_stage)
+        return torch.zeros(0)
+    entropies = []
+    for mb, out in zip(micro, results):
+        mb["old_logp"] = out["token/logp"]
+        entropies.append(out["token/entropy"][mb["loss_mask"].bool()])
+    return torch.cat(entropies) if entropies else torch.zeros(0)
+
+
+def old_entropies(old: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The response tokens' entropies of the old-log-prob pass's per-sample stats, in their order."""
+    return torch.cat([v["entropy"] for v in old.values()]) if old else torch.zeros(0)
 
 
 def old_logprob_pass(runner, plans, last_stage: bool, timer) -> dict[int, dict[str, torch.Tensor]]:
@@ -82,12 +89,12 @@ def put_old_logp(plans, old: dict[int, dict[str, torch.Tensor]], last_stage: boo
     scatter_into_plans(plans, {i: v["logp"] for i, v in old.items()}, "old_logp", last_stage)
 
 
-def old_policy_metrics(plans, old: dict[int, dict[str, torch.Tensor]], last_stage: bool,
-                       local: dict[str, tuple[float, float]], engine_logp: bool) -> float | None:
-    """Collective: what a step reports of the old policy, as token-weighted sums in ``local``: ``entropy_mean`` and,
-    when the micro-batches carry the engine's log-probs (``engine_logp``), the engine/trainer gap
-    (``step_metrics.engine_gap_metrics``, whose maximum it returns; None without them)."""
-    if last_stage and old:
-        entropies = torch.cat([v["entropy"] for v in old.values()])
+def old_policy_metrics(plans, entropies: torch.Tensor, local: dict[str, tuple[float, float]],
+                       engine_logp: bool) -> float | None:
+    """Collective: what a step reports of the old policy, as token-weighted sums in ``local``: ``entropy_mean`` (of
+    ``entropies``, empty off the last pipeline stage) and, when the micro-batches carry the engine's log-probs
+    (``engine_logp``), the engine/trainer gap (``step_metrics.engine_gap_metrics``, whose maximum it returns; None
+    without them)."""
+    if entropies.numel():
         local["entropy_mean"] = (float(entropies.sum()), float(entropies.numel()))
     return engine_gap_metrics(plans, local) if engine_logp else None

@@ -29,8 +29,8 @@ from megatron_dynamo.algorithms.modulation import modulation_scope
 from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_token_values, make_micro_batches,
                                            plan_token_micro_batches, resolve_pack_sequences, shard_for_rank,
                                            split_mini_batches)
-from megatron_dynamo.trainer.old_logprobs import (old_logprob_pass, old_policy_metrics, old_stats_from_update,
-                                                  update_gives_old_logprobs)
+from megatron_dynamo.trainer.old_logprobs import (entropies_from_update, old_entropies, old_logprob_pass,
+                                                  old_policy_metrics, update_gives_old_logprobs)
 from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, token_stats_fn
 from megatron_dynamo.trainer.step_metrics import (RolloutError, collect_metric_sums,  # noqa: F401 (step.RolloutError)
                                                   global_denominator, is_metric_rank, parallel_state, prompt_rows,
@@ -296,7 +296,7 @@ class StepRunner:
         old = {} if reuse else old_logprob_pass(self, plans, last_stage, timer)
         local: dict[str, tuple[float, float]] = {}
         engine_logp = scatter_engine_logprobs(samples, plans, last_stage, run.dynamo.loss.engine_is)
-        gap_max = None if reuse else old_policy_metrics(plans, old, last_stage, local, engine_logp)
+        gap_max = None if reuse else old_policy_metrics(plans, old_entropies(old), local, engine_logp)
         modulation = run.dynamo.modulation
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
         # The baselines' mini-batch-wide token selections (Fork Tokens, Clip-COV, KL-COV), from the same pass.
@@ -362,8 +362,7 @@ class StepRunner:
                     s, c = local.get("loss", (0.0, 0.0))
                     local["loss"] = (s + float(loss), c + (1.0 if ps.get_data_parallel_rank() == 0 else 0.0))
         if reuse and plans:  # the update ran on the old weights: the old policy's numbers come from it
-            gap_max = old_policy_metrics(plans, old_stats_from_update(plans, results, last_stage), last_stage, local,
-                                         engine_logp)
+            gap_max = old_policy_metrics(plans, entropies_from_update(plans, results, last_stage), local, engine_logp)
         if not is_metric_rank():
             local = {}
         metrics = collect_metric_sums(local)
