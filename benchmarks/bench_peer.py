@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -239,6 +240,8 @@ def main(argv=None) -> int:
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
     import trl  # noqa: F401 -- the peer: a missing install fails here, before any run
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stops the run in progress too (peer_tree.trace_run)
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_peer_")).resolve()
     os.environ.setdefault("PYTHONPATH", str(ROOT))

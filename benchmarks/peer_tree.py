@@ -87,15 +87,25 @@ def trace_run(cmd: list[str], cwd: Path, step_log: Path, console: Path, interval
     with open(console, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         root = psutil.Process(proc.pid)
-        while True:
-            pss = _sample(root, cpu_by_process)
-            now = time.time()
-            trace.samples.append((now, sum(cpu_by_process.values()), pss))
-            for step in range(len(trace.step_end) + 1, _line_count(step_log) + 1):
-                trace.step_end[step] = now
-            if proc.poll() is not None:
-                break
-            time.sleep(interval)
+        try:
+            while True:
+                pss = _sample(root, cpu_by_process)
+                now = time.time()
+                trace.samples.append((now, sum(cpu_by_process.values()), pss))
+                for step in range(len(trace.step_end) + 1, _line_count(step_log) + 1):
+                    trace.step_end[step] = now
+                if proc.poll() is not None:
+                    break
+                time.sleep(interval)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM as SystemExit): the run must not outlive us
+            for stop in (proc.terminate, proc.terminate, proc.kill):  # ours stops at once on a second SIGTERM
+                stop()
+                try:
+                    proc.wait(timeout=10)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            raise
     trace.exit_code = proc.returncode
     trace.load_after = os.getloadavg()[0]
     if proc.returncode != 0:
