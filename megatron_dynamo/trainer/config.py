@@ -119,7 +119,9 @@ class RolloutConfig:
     ``separate`` (the last ``engine_ranks`` ranks of the job only generate and score, the others only train; on a
     cluster, whole nodes). ``max_staleness`` (K, ``separate`` only): the engines generate the next batches with
     weights up to K updates old while the trainer updates on the current one; 0 is on-policy (docs/rollout.md,
-    ``trainer/overlap.py``)."""
+    ``trainer/overlap.py``). ``cpu_kvcache_gb``: the CPU engine's KV cache in GiB; null (default): what a step
+    needs, from the model's layers and KV heads, the engine's max_model_len and the step's rollout budget, at least
+    64 MiB (``rollout/kv_cache.py``)."""
 
     engine: str = "vllm"
     tensor_parallel: int = 2
@@ -134,28 +136,13 @@ class RolloutConfig:
     placement: str = "colocated"
     engine_ranks: int = 0
     max_staleness: int = 0
+    cpu_kvcache_gb: float | None = None
 
     def validate(self) -> None:
-        from megatron_dynamo.parallel.placement import PLACEMENTS
+        from megatron_dynamo.parallel.placement import check_placement_settings
         from megatron_dynamo.rollout.interface import registered_engines
 
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.placement == "colocated":
-            if self.max_staleness:
-                raise ValueError(f"max_staleness: {self.max_staleness} needs placement: separate (colocated engines "
-                                 "share the training ranks and sleep while they update: nothing can overlap)")
-            if self.engine_ranks:
-                raise ValueError(f"engine_ranks: {self.engine_ranks} needs placement: separate (colocated: every "
-                                 "rank hosts an engine worker)")
-        elif self.engine_ranks < 1:
-            raise ValueError(f"placement: separate needs engine_ranks >= 1 (the ranks that only generate), got "
-                             f"{self.engine_ranks}")
-        elif self.engine_ranks % self.tensor_parallel:
-            raise ValueError(f"engine_ranks={self.engine_ranks} is not a multiple of tensor_parallel="
-                             f"{self.tensor_parallel} (engines are groups of tensor_parallel engine ranks)")
+        check_placement_settings(self.placement, self.engine_ranks, self.max_staleness, self.tensor_parallel)
 
         if self.engine not in registered_engines():
             raise ValueError(f"engine must be one of {registered_engines()}, got {self.engine!r}")
@@ -171,6 +158,8 @@ class RolloutConfig:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        if self.cpu_kvcache_gb is not None and not self.cpu_kvcache_gb > 0:
+            raise ValueError(f"cpu_kvcache_gb must be > 0 (null: sized to the run), got {self.cpu_kvcache_gb}")
 
 
 @dataclass(frozen=True)
@@ -219,7 +208,9 @@ class TrainerConfig:
     task's worked solution where it has one) come first, ``sft_batch_size`` sequences each (used by the synthetic
     CPU tasks so that rewards are not all 0); ``steps: 0`` runs only that warm-up and saves it as checkpoint step 0
     (``dynamo ablate`` starts every variant of a seed from it). ``warmup_steps`` is the learning-rate warm-up
-    (paper: 10)."""
+    (paper: 10). ``old_logprob_pass``: ``auto`` leaves the old-log-prob forward out where the update's own forward
+    gives the same numbers (one mini-batch, one epoch, no modulation or mini-batch token selection:
+    ``trainer/old_logprobs.py``); ``always`` runs it every step."""
 
     steps: int = 100
     mini_batch_prompts: int = 32
@@ -229,6 +220,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 0
     pack_sequences: bool | str = "auto"
     fused_output_layer: bool = True
+    old_logprob_pass: str = "auto"
     sft_warmup_steps: int = 0
     sft_batch_size: int = 64
     sft_lr: float = 1e-3
@@ -244,6 +236,10 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pack_sequences not in PACK_SEQUENCES:
             raise ValueError(f"pack_sequences must be one of {PACK_SEQUENCES}, got {self.pack_sequences!r}")
+        from megatron_dynamo.trainer.old_logprobs import OLD_LOGPROB_PASSES
+
+        if self.old_logprob_pass not in OLD_LOGPROB_PASSES:
+            raise ValueError(f"old_logprob_pass must be one of {OLD_LOGPROB_PASSES}, got {self.old_logprob_pass!r}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@
   taken from them) and, with ``modulation.scope: current_policy``, for the scope pass of later mini-batches.
 - :func:`dynamo_loss_fn`: the PPO-clip loss on DynaMO-modulated advantages, normalised by the mini-batch's global
   denominator (see ``trainer/actor.py``); or the registered policy loss ``dynamo.loss.name`` (a baseline of the
-  paper's Table 1, ``algorithms/baselines.py``), with the micro-batch's ``selection`` when it has one.
+  paper's Table 1, ``algorithms/baselines.py``), with the micro-batch's ``selection`` when it has one. A
+  micro-batch without ``old_logp`` takes its own detached log-probs as the old ones and returns its per-token
+  ``token/logp`` and ``token/entropy`` (the update stands in for the old-log-prob pass: ``trainer/old_logprobs.py``).
 
 Both see only the response positions (``loss_mask``) of a micro-batch. The model output they get is either the
 vocab-parallel logits (then only the response positions' rows are taken, in the model dtype: the routine
@@ -27,6 +29,7 @@ from megatron_dynamo.algorithms.modulation import (ModulationInputs, ModulationS
 from megatron_dynamo.parallel.token_stats import (TokenStats, fused_vocab_parallel_token_stats,
                                                   vocab_parallel_token_stats)
 from megatron_dynamo.trainer.actor import OutputLayerInput
+from megatron_dynamo.trainer.old_logprobs import TOKEN_OUTPUTS, full_token_values
 
 
 def _tp_group():
@@ -72,9 +75,7 @@ def token_stats_fn(temperature: float, chunk_size: int | None = None) -> Callabl
         stats, _, mask = response_token_stats(model_output, micro_batch, temperature, chunk_size)
         out = {"sample_index": micro_batch["sample_index"]}
         for name in ("logp", "entropy", "sum_pi2_lambda"):
-            full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-            full[mask] = getattr(stats, name).detach()
-            out[name] = full
+            out[name] = full_token_values(getattr(stats, name), mask)
         return stats.logp.new_zeros(()), out
 
     return loss_fn
@@ -121,7 +122,10 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
 
     def loss_fn(model_output, micro_batch):
         stats, seq_ids, mask = response_token_stats(model_output, micro_batch, temperature, chunk_size)
-        old_logp = micro_batch["old_logp"][mask]
+        # No old_logp: this forward runs on the old policy's weights and stands in for the old-log-prob pass
+        # (trainer/old_logprobs.py).
+        update_is_old_pass = "old_logp" not in micro_batch
+        old_logp = stats.logp.detach() if update_is_old_pass else micro_batch["old_logp"][mask]
         advantages = micro_batch["advantages"][seq_ids]
         valid = torch.ones_like(old_logp, dtype=torch.bool)
         logp = stats.logp
@@ -159,6 +163,8 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
         metrics = {k: v.detach().float() for k, v in {**output.metrics, **modulation_stats}.items()}
         metrics["actor/entropy"] = entropy.mean() if entropy.numel() else entropy.new_zeros(())
         metrics["loss"] = output.loss.detach()
+        if update_is_old_pass:
+            metrics.update({f"token/{name}": full_token_values(getattr(stats, name), mask) for name in TOKEN_OUTPUTS})
         return output.loss, metrics
 
     return loss_fn

@@ -97,6 +97,7 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
     loaded before the first rollout (no model file is written). The default group's rank 0 writes ``model_dir``.
     ``sleep_mode``: the engine sleeps while the trainer updates (colocated engines)."""
     from megatron_dynamo.rollout.interface import create_engine as create
+    from megatron_dynamo.rollout.kv_cache import kv_cache_size
 
     if dist.get_rank() == 0:
         model_dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +112,7 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
                   enable_sleep_mode=sleep_mode and run.rollout.sleep_during_training and gpu,
                   sleep_level=run.rollout.sleep_level,
                   emulate_sleep=sleep_mode and run.rollout.emulate_sleep and not gpu,
+                  **kv_cache_size(run, hf_config, max_model_len, gpu),
                   # Random weights at start: the trainer loads its own before the first rollout.
                   engine_kwargs={"load_format": "dummy"})
 

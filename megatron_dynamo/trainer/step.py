@@ -26,8 +26,10 @@ import torch.distributed as dist
 from megatron_dynamo.algorithms.advantages import get_advantage_estimator
 from megatron_dynamo.algorithms.modulation import modulation_scope
 from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_token_values, make_micro_batches,
-                                           plan_token_micro_batches, resolve_pack_sequences, scatter_token_values,
-                                           shard_for_rank, split_mini_batches)
+                                           plan_token_micro_batches, resolve_pack_sequences, shard_for_rank,
+                                           split_mini_batches)
+from megatron_dynamo.trainer.old_logprobs import (entropies_from_update, old_entropies, old_logprob_pass,
+                                                  old_policy_metrics, update_gives_old_logprobs)
 from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, token_stats_fn
 from megatron_dynamo.trainer.step_metrics import (RolloutError, collect_metric_sums,  # noqa: F401 (step.RolloutError)
                                                   global_denominator, is_metric_rank, parallel_state, prompt_rows,
@@ -228,22 +230,12 @@ class StepRunner:
         mini_batches = split_mini_batches(samples, prompt_order, run.trainer.mini_batch_prompts)
         plans = [(mb, self.micro_batches_for(mb)) for mb in mini_batches if mb]
         last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        with timer("old_logprob"):
-            old = {}
-            for _, micro in plans:
-                old.update(self.forward_token_stats(micro))
-            old_logp = {i: v["logp"] for i, v in old.items()}
-            for _, micro in plans:
-                for mb in micro:
-                    if last_stage:
-                        scatter_token_values(mb, old_logp, "old_logp")
-                    else:
-                        mb["old_logp"] = torch.zeros_like(mb["loss_mask"])
+        # Where the update's own forward gives the old log-probs, it stands in for their pass (old_logprobs.py).
+        reuse = update_gives_old_logprobs(run, len(plans))
+        old = {} if reuse else old_logprob_pass(self, plans, last_stage, timer)
         local: dict[str, tuple[float, float]] = {}
-        if last_stage and old:
-            entropies = torch.cat([v["entropy"] for v in old.values()])
-            local["entropy_mean"] = (float(entropies.sum()), float(entropies.numel()))
-        gap_max = scatter_engine_logprobs(samples, plans, last_stage, local, run.dynamo.loss.engine_is)
+        engine_logp = scatter_engine_logprobs(samples, plans, last_stage, run.dynamo.loss.engine_is)
+        gap_max = None if reuse else old_policy_metrics(plans, old_entropies(old), local, engine_logp)
         modulation = run.dynamo.modulation
         dp_group = ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
         # The baselines' mini-batch-wide token selections (Fork Tokens, Clip-COV, KL-COV), from the same pass.
@@ -308,6 +300,8 @@ class StepRunner:
                     # is the mini-batch loss; count each update once (on DP rank 0).
                     s, c = local.get("loss", (0.0, 0.0))
                     local["loss"] = (s + float(loss), c + (1.0 if ps.get_data_parallel_rank() == 0 else 0.0))
+        if reuse and plans:  # the update ran on the old weights: the old policy's numbers come from it
+            gap_max = old_policy_metrics(plans, entropies_from_update(plans, results, last_stage), local, engine_logp)
         if not is_metric_rank():
             local = {}
         metrics = collect_metric_sums(local)

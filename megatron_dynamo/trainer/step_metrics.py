@@ -44,17 +44,10 @@ def is_metric_rank() -> bool:
     return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
 
 
-def scatter_engine_logprobs(samples: list[Sample], plans, last_stage: bool,
-                            local: dict[str, tuple[float, float]], engine_is: str) -> float | None:
-    """The engine's log-probs of the sampled tokens into every micro-batch (``engine_logp``, beside
-    ``old_logp``: ``dynamo.loss.engine_is`` weighs the loss with them) and the gap to the trainer's old-policy
-    log-probs, from the pass already made (no extra forward): ``rollout/logp_gap_mean`` and
-    ``rollout/engine_kl_k3`` (the k3 estimator of KL(engine || trainer) on the sampled tokens) as token-weighted
-    sums in ``local``; returns ``rollout/logp_gap_max`` (collective: every rank calls it), None when the engine
-    gave no log-probs (every rank holds the same rollout, so all agree)."""
-    from megatron_dynamo.algorithms.losses import engine_gap_sums
-    from megatron_dynamo.parallel.runtime import collective_device
-
+def scatter_engine_logprobs(samples: list[Sample], plans, last_stage: bool, engine_is: str) -> bool:
+    """The engine's log-probs of the sampled tokens into every micro-batch (``engine_logp``, beside ``old_logp``:
+    ``dynamo.loss.engine_is`` weighs the loss with them). False when the engine gave no log-probs (every rank holds
+    the same rollout, so all agree); then ``engine_is`` other than off is an error."""
     engine = {}
     for s in samples:
         values = torch.tensor(s.engine_logp if s.engine_logp is not None else [math.nan] * s.num_response_tokens,
@@ -67,15 +60,34 @@ def scatter_engine_logprobs(samples: list[Sample], plans, last_stage: bool,
         if engine_is != "off":
             raise RolloutError("dynamo.loss.engine_is needs the engine's log-prob of every sampled token; "
                                "the engine returned none")
-        return None
-    largest = 0.0
+        return False
+    scatter_into_plans(plans, engine, "engine_logp", last_stage)
+    return True
+
+
+def scatter_into_plans(plans, values: dict[int, torch.Tensor], name: str, last_stage: bool) -> None:
+    """Per-sample token ``values`` into every micro-batch of ``plans`` as ``name`` (zeros off the last pipeline
+    stage, which computes no loss)."""
     for _, micro in plans:
         for mb in micro:
-            if not last_stage:
-                mb["engine_logp"] = torch.zeros_like(mb["loss_mask"])
-                continue
-            scatter_token_values(mb, engine, "engine_logp")
-            if is_metric_rank():
+            if last_stage:
+                scatter_token_values(mb, values, name)
+            else:
+                mb[name] = torch.zeros_like(mb["loss_mask"])
+
+
+def engine_gap_metrics(plans, local: dict[str, tuple[float, float]]) -> float:
+    """Collective (every rank calls it): the gap between the engine's and the trainer's old-policy log-probs of the
+    micro-batches' tokens (``engine_logp``, ``old_logp``), from the pass already made (no extra forward):
+    ``rollout/logp_gap_mean`` and ``rollout/engine_kl_k3`` (the k3 estimator of KL(engine || trainer) on the
+    sampled tokens) as token-weighted sums in ``local``; returns ``rollout/logp_gap_max``."""
+    from megatron_dynamo.algorithms.losses import engine_gap_sums
+    from megatron_dynamo.parallel.runtime import collective_device
+
+    largest = 0.0
+    if is_metric_rank():
+        for _, micro in plans:
+            for mb in micro:
                 mask = mb["loss_mask"].bool()
                 gap = engine_gap_sums(mb["old_logp"][mask], mb["engine_logp"][mask])
                 n = float(gap["num_tokens"])

@@ -1,0 +1,100 @@
+"""When the RL update's own forward gives the old log-probs, so that the old-log-prob pass can be left out.
+
+PPO's ratio pi / pi_old needs pi_old: the log-probs of the sampled tokens under the weights the step starts
+with. The trainer gets them from a forward-only pass over the whole rollout before the first optimizer step
+(``StepRunner.update``). With one mini-batch and one PPO epoch, the update's only forward runs on those very
+weights, so its log-probs, detached, are the old log-probs: the forward-only pass computes the same numbers a
+second time (TRL's GRPOTrainer skips it in the same case). The update then takes ``old_logp`` = its own
+``logp.detach()`` (``policy_loss.dynamo_loss_fn`` does so when a micro-batch carries no ``old_logp``), and what
+the step reports from the old-policy pass (``entropy_mean``, the engine/trainer log-prob gap) is taken from the
+update's forward instead, after it: the same values (``tests/test_old_logprobs.py``: metrics and weights
+identical, bit for bit, to a run with the pass).
+
+The pass stays where something needs the old policy's numbers before the update's first loss:
+
+- more than one mini-batch, or more than one PPO epoch: later updates run on changed weights;
+- modulation on: the mini-batch-wide scope (H_min, H_max, max Xi over all the mini-batch's tokens) enters the loss
+  of every micro-batch, so it must be known before the first (and ``scope: current_policy`` needs the pass too);
+- a baseline with a mini-batch-wide token selection (Fork Tokens, Clip-COV, KL-COV) chosen before its update;
+- ``trainer.old_logprob_pass: always`` (the check above is ``auto``, the default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dynamo.algorithms.baselines import SELECTION_LOSSES
+from megatron_dynamo.trainer.step_metrics import engine_gap_metrics, scatter_into_plans
+
+#: trainer.old_logprob_pass: ``auto`` leaves the pass out where the update's forward gives the same numbers;
+#: ``always`` runs it every step.
+OLD_LOGPROB_PASSES = ("auto", "always")
+
+#: The per-token outputs the update's loss returns when it stands in for the old-log-prob pass (``token/<name>``).
+TOKEN_OUTPUTS = ("logp", "entropy")
+
+
+def update_gives_old_logprobs(run, num_mini_batches: int) -> bool:
+    """True where the old-log-prob pass may be left out (module docstring): ``trainer.old_logprob_pass`` is
+    ``auto``, one mini-batch, one PPO epoch, modulation off, and a loss without a mini-batch token selection."""
+    trainer, dynamo = run.trainer, run.dynamo
+    return (trainer.old_logprob_pass == "auto" and num_mini_batches <= 1 and trainer.ppo_epochs == 1
+            and not dynamo.modulation.enabled and dynamo.loss.name not in SELECTION_LOSSES)
+
+
+def full_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Flattened per-token ``values`` at the response positions back in the micro-batch's layout ([B, S] or [1, T]
+    packed), 0 elsewhere, detached, in fp32: what ``batch.gather_token_values`` reads per sample."""
+    full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    full[mask] = values.detach().float()
+    return full
+
+
+def entropies_from_update(plans, results, last_stage: bool) -> torch.Tensor:
+    """After the update of the single mini-batch of ``plans``: its log-probs (``token/logp``, computed on the weights
+    before the optimizer step: the old policy) into its micro-batches as ``old_logp``, in the layout the pass's
+    scatter gives (``full_token_values``: the values at the response positions, 0 elsewhere; zeros off the last
+    pipeline stage); returns the response tokens' entropies in the order the pass's per-sample stats give them
+    (micro-batch, sample, position): :func:`old_entropies` of the pass, without a per-sample gather and scatter."""
+    micro = plans[0][1]
+    if not last_stage:
+        scatter_into_plans(plans, {}, "old_logp", last_stage)
+        return torch.zeros(0)
+    entropies = []
+    for mb, out in zip(micro, results):
+        mb["old_logp"] = out["token/logp"]
+        entropies.append(out["token/entropy"][mb["loss_mask"].bool()])
+    return torch.cat(entropies) if entropies else torch.zeros(0)
+
+
+def old_entropies(old: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The response tokens' entropies of the old-log-prob pass's per-sample stats, in their order."""
+    return torch.cat([v["entropy"] for v in old.values()]) if old else torch.zeros(0)
+
+
+def old_logprob_pass(runner, plans, last_stage: bool, timer) -> dict[int, dict[str, torch.Tensor]]:
+    """The forward-only pass over every mini-batch of ``plans`` under the step's starting weights (timed as
+    ``old_logprob``), its log-probs put into the micro-batches as ``old_logp``; returns the per-sample token stats.
+    ``runner``: the ``StepRunner``."""
+    with timer("old_logprob"):
+        old: dict[int, dict[str, torch.Tensor]] = {}
+        for _, micro in plans:
+            old.update(runner.forward_token_stats(micro))
+        put_old_logp(plans, old, last_stage)
+    return old
+
+
+def put_old_logp(plans, old: dict[int, dict[str, torch.Tensor]], last_stage: bool) -> None:
+    """``old``'s log-probs into every micro-batch of ``plans`` as ``old_logp``."""
+    scatter_into_plans(plans, {i: v["logp"] for i, v in old.items()}, "old_logp", last_stage)
+
+
+def old_policy_metrics(plans, entropies: torch.Tensor, local: dict[str, tuple[float, float]],
+                       engine_logp: bool) -> float | None:
+    """Collective: what a step reports of the old policy, as token-weighted sums in ``local``: ``entropy_mean`` (of
+    ``entropies``, empty off the last pipeline stage) and, when the micro-batches carry the engine's log-probs
+    (``engine_logp``), the engine/trainer gap (``step_metrics.engine_gap_metrics``, whose maximum it returns; None
+    without them)."""
+    if entropies.numel():
+        local["entropy_mean"] = (float(entropies.sum()), float(entropies.numel()))
+    return engine_gap_metrics(plans, local) if engine_logp else None
