@@ -1,6 +1,6 @@
 """Math prompt data: JSONL / parquet loading with row validation, a name registry, and a resumable seeded sampler.
 
-File format (the files in ``shared/data/math/`` and any file of the same shape): one JSON object per line with
+File format (``docs/algorithm.md``, "Data format"; what ``dynamo data prepare`` writes): one JSON object per line with
 ``id`` (string or integer), ``problem`` (non-empty string), ``answer`` (non-empty string; a JSON number is
 accepted and converted), optional ``data_source`` (string), optional ``answer_candidates`` (list of strings:
 other accepted forms of the answer, e.g. Minerva's); every other field is kept in ``extras``.
@@ -77,7 +77,7 @@ class MathExample:
     def references(self, include_candidates: bool = True) -> list[str]:
         """Accepted answers for the reward: the answer, then the candidates not equal to it.
 
-        Caution with the shared Minerva file: in 27 of its 272 rows a candidate is the final answer of the
+        Caution with the Minerva file: in 27 of its 272 rows a candidate is the final answer of the
         previous subproblem, which is printed in the problem text itself (e.g. answer ``0.53``, candidates
         ``4.4e7``); accepting candidates there rewards copying the prompt. ``include_candidates=False`` scores
         against ``answer`` alone.

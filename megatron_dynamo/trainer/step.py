@@ -1,4 +1,4 @@
-"""One DynaMO step, stage by stage, each timed (``../shared/notes/DYNAMO.md``):
+"""One DynaMO step, stage by stage, each timed (``docs/algorithm.md``, "One training step"):
 
     data -> allocation (rank 0, broadcast) -> rollout (every engine its share) -> reward (each engine leader)
     -> exchange -> history -> advantages -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
