@@ -51,7 +51,8 @@ def test_bad_evaluation_settings_are_rejected_before_compute(tmp_path):
     # A benchmark whose prompts do not fit the rollout engine fails when the trainer starts, not at step N.
     proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT,
                            f"trainer.output_dir={tmp_path}", "evaluation.every=1", "evaluation.benchmarks=[aime24]",
-                           "evaluation.data_dir=/work/shared/data/math"], capture_output=True, text=True, cwd=REPO)
+                           f"evaluation.data_dir={REPO}/tests/fixtures/math"],
+                          capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 1 and "exceed the engine's 21 prompt tokens" in proc.stderr, proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "checkpoints")
 
