@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
@@ -185,8 +186,6 @@ def load_math_file(path_or_name: str | os.PathLike, data_dir: str | os.PathLike 
 
     def skip(line_number: int, reason: str) -> None:
         skipped.append(SkippedRow(str(path), line_number, reason))
-        if len(skipped) <= _MAX_LOGGED_SKIPS:
-            logger.warning("%s:%d: skipped malformed row: %s", path, line_number, reason)
 
     for line_number, row, error in (parquet_rows(path) if parquet else jsonl_rows(path)):
         if error:
@@ -209,12 +208,25 @@ def load_math_file(path_or_name: str | os.PathLike, data_dir: str | os.PathLike 
             fields["data_source"] = source
         examples.append(MathExample(id=example_id, **fields))
 
+    if not examples:  # one line, not a line per row: the file's shape is wrong, not some of its rows
+        raise ValueError(no_valid_rows(path, skipped))
+    for row in skipped[:_MAX_LOGGED_SKIPS]:
+        logger.warning("%s:%d: skipped malformed row: %s", path, row.line, row.reason)
     if len(skipped) > _MAX_LOGGED_SKIPS:
         logger.warning("%s: %d malformed rows skipped in all (first %d shown)", path, len(skipped), _MAX_LOGGED_SKIPS)
-    if not examples:
-        raise ValueError(f"{path}: no valid rows ({len(skipped)} malformed)")
     logger.info("loaded %d examples from %s (%d malformed rows skipped)", len(examples), path, len(skipped))
     return MathDataset(name=source, path=str(path), examples=examples, skipped=skipped)
+
+
+def no_valid_rows(path: Path, skipped: list[SkippedRow]) -> str:
+    """The one line for a file none of whose rows could be read: the commonest reason and the shapes that are."""
+    if not skipped:
+        return f"{path}: no rows"
+    reasons = Counter(row.reason for row in skipped)
+    reason, count = reasons.most_common(1)[0]
+    share = "every row" if count == len(skipped) else f"{count} of {len(skipped)} rows"
+    return (f"{path}: no valid rows ({share}: {reason}); a row needs 'problem' and 'answer' (GSM8K-, MATH- and "
+            f"verl-shaped rows are read as such; docs/own-data.md shows the shapes and `dynamo data prepare`)")
 
 
 #: The name the trainer, evaluation and tests have always called; it reads parquet too.
