@@ -23,8 +23,9 @@ class CheckpointConfig:
     export_hf: bool = False
 
     def validate(self) -> None:
-        if self.every < 1 or self.keep_last < 1:
-            raise ValueError("every and keep_last must be >= 1")
+        for name in ("every", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
