@@ -48,7 +48,7 @@ def resolve_run_models(run: RunConfig, local_only: bool | None = None) -> RunCon
     resolved = {}
     for key, purpose in (("checkpoint", "checkpoint"), ("tokenizer", "tokenizer")):
         value = getattr(run.model, key)
-        if value is not None and value != "char" and is_hub_reference(value):
+        if value is not None and value != "char" and (is_hub_reference(value) or not Path(value).expanduser().exists()):
             try:
                 resolved[key] = str(resolve_model_dir(value, purpose, local_only=local_only))
             except HubModelError as exc:
