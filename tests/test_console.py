@@ -98,7 +98,7 @@ def test_wandb_mode_needs_wandb_before_any_rank_starts(monkeypatch):
 
     from megatron_dynamo.trainer import preflight
 
-    with pytest.raises(ConfigError, match="logging.wandb: mode must be one of"):
+    with pytest.raises(ConfigError, match=r"^logging.wandb.mode: must be one of"):
         load_run_config(CPU_DEFAULT, ["logging.wandb.mode=onlne"])
     run = load_run_config(CPU_DEFAULT, ["logging.wandb.mode=offline"])
     real_find_spec = importlib.util.find_spec
