@@ -70,6 +70,11 @@ WARNINGS: tuple[tuple[str, type[Warning], str, str], ...] = (
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
      r"(megatron_dynamo\.parallel\.cpu_compat|megatron\.core\.)",
      "megatron-core's distributed checkpoints are built on ShardedTensor (on every load and save)"),
+    (r"When using async grad allreduce it is recommended to set the environment variable "
+     r"CUDA_DEVICE_MAX_CONNECTIONS", UserWarning, r"megatron\.core\.tensor_parallel\.layers",
+     "a CUDA streams hint megatron-core gives for every tensor-parallel linear layer, on CPU and gloo too"),
+    (r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning, r"torch\.distributed\.",
+     "megatron-core gathers tensor-parallel outputs with torch's old name (the converter's verify)"),
 )
 
 class DropRecords(logging.Filter):
