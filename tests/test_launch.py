@@ -293,6 +293,15 @@ def test_cli_list_show_and_dryrun(tmp_path):
     assert dry.returncode == 0, dry.stderr
     assert "#SBATCH --nodes=2" in dry.stdout and "#SBATCH --time=04:00:00" in dry.stdout
     assert "torchrun --rdzv-backend c10d" in dry.stdout and "TORCHX_MAX_RETRIES=20" in dry.stdout
+    # What the script leaves unsaid: the command every task runs, where the logs go, what is not set; and no
+    # nemo-run bookkeeping note ("Detected Torchrun launcher ...") in the middle of the script.
+    notes = dry.stdout.split("\nfi\n")[-1].splitlines()
+    assert notes[:2] == ["# every task (one srun task per node; torchrun in it starts 8 processes, each one rank "
+                         "running):", "#   dynamo train configs/qwen3-14b.yaml trainer.steps=9 --algo dynamo --resume"]
+    assert notes[3].startswith("# logs: the batch script's ") and notes[3].endswith(".out")
+    assert notes[4].startswith("#       each task's ") and "log-dynamo-qwen3-14b_%j_" in notes[4]
+    assert notes[-1] == "# not set: --account ($DYNAMO_SLURM_ACCOUNT): sbatch takes the cluster's defaults"
+    assert "Detected Torchrun" not in dry.stdout + dry.stderr
     local = _cli("launch", "run", "qwen3-14b", "--executor", "local", "--dryrun")
     assert local.returncode == 2 and "--nodes 1" in local.stderr
     for bad in (["launch", "run", "qwen4", "--executor", "local"], ["launch", "show", "qwen3-14b", "trainer.step=1"],
