@@ -51,8 +51,9 @@ class OptimConfig:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise ValueError("optim.adam_beta1/adam_beta2 must be in [0, 1)")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must lie in [0, 1), got {getattr(self, name)}")
         if self.clip_grad < 0:
             raise ValueError(f"optim.clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
 

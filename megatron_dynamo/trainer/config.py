@@ -101,6 +101,10 @@ class DataConfig:
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
+        from megatron_dynamo.data.templates import list_templates
+
+        if self.template not in list_templates():
+            raise ValueError(f"template must be one of {list_templates()}, got {self.template!r}")
 
         if self.prompt_overflow not in PROMPT_OVERFLOW:
             raise ValueError(f"prompt_overflow must be one of {PROMPT_OVERFLOW}, got {self.prompt_overflow!r}")
