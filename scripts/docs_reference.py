@@ -35,8 +35,10 @@ class Key:
     dotted: str
     type: str
     default: str
-    allowed: str
+    allowed: str  # as the page shows it
     meaning: str
+    bound: str = ""  # a number's bound as the docstring gives it: ">= 1", "(0, 1]", ...
+    choices: tuple = ()  # a choice's values
 
 
 def keys_section(cls) -> tuple[str, dict[str, tuple[str, str]]]:
@@ -125,6 +127,7 @@ def config_keys(cls=None, prefix: str = "") -> list[tuple[str, str, list[Key]]]:
             raise SystemExit(f"docs_reference: {dotted} has no entry in the Keys: section of {cls.__qualname__}'s "
                              f"docstring; add `{field.name}: what it means`")
         allowed, meaning = entries.pop(field.name)
+        bound = allowed
         if dotted in options:
             allowed = ", ".join(f"`{_yaml(v)}`" for v in options[dotted])
         elif annotation is bool:
@@ -133,7 +136,8 @@ def config_keys(cls=None, prefix: str = "") -> list[tuple[str, str, list[Key]]]:
             allowed = f"`{allowed}`"
         if allowed and type(None) in typing.get_args(annotation) and "null" not in allowed:
             allowed += ", or `null`"
-        own.append(Key(dotted, type_name(annotation), _yaml(getattr(default, field.name)), allowed, _markdown(meaning)))
+        own.append(Key(dotted, type_name(annotation), _yaml(getattr(default, field.name)), allowed, _markdown(meaning),
+                       bound, tuple(options.get(dotted, ()))))
     if entries:
         raise SystemExit(f"docs_reference: {cls.__qualname__}'s Keys: names no field {sorted(entries)}")
     return ([(prefix.rstrip("."), intro, own)] if own else []) + sections
@@ -235,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
-            print(f"docs_reference: wrote {path.relative_to(ROOT)}")
+            print(f"docs_reference: wrote {os.path.relpath(path, ROOT)}")
         elif not path.is_file() or path.read_text(encoding="utf-8") != text:
-            stale.append(str(path.relative_to(ROOT)))
+            stale.append(os.path.relpath(path, ROOT))
     if stale:
         print(f"docs_reference: {', '.join(stale)} stale: run python scripts/docs_reference.py --write",
               file=sys.stderr)
