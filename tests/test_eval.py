@@ -249,6 +249,7 @@ def _by_key(records):
 SMALL = dict(n=3, k=(3,), max_tokens=8, limit=2, problems_per_batch=2, data_dir=DATA_DIR)
 
 
+@pytest.mark.slow
 def test_six_benchmarks_resume_after_interruption_to_the_same_samples(engine, tokenizer, scorer, tmp_path):
     config = EvalConfig(benchmarks=BENCHMARKS, **SMALL)
     whole = evaluate(engine, tokenizer, scorer, config, tmp_path / "whole", model="tiny", progress=False)
@@ -286,6 +287,7 @@ def test_six_benchmarks_resume_after_interruption_to_the_same_samples(engine, to
         evaluate(None, tokenizer, scorer, config, tmp_path / "short", max_prompt_tokens=50, progress=False)
 
 
+@pytest.mark.slow
 def test_correct_flags_and_answer_candidates(engine, tokenizer, scorer, tmp_path):
     """Rig a benchmark whose accepted answers are answers the model gave: the same seeds give the same samples,
     so those samples must be counted correct, every flag must agree with the scorer, and pass@k with the flags."""
@@ -349,6 +351,7 @@ def _dynamo_eval(*args):
                           capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path):
     """The CLI end to end: HF -> Megatron with the converter, then `dynamo eval` converts it back, generates with
     vLLM, writes samples/summary and prints the table."""

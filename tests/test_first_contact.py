@@ -127,6 +127,7 @@ def test_yaml_syntax_errors_are_one_line_with_file_and_line(tmp_path):
 # 6 ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("env", [{"HF_ENDPOINT": "http://127.0.0.1:9"},
                                  {"HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}])
+@pytest.mark.slow
 def test_data_prepare_without_network_says_so_in_one_line_at_once(tmp_path, env):
     start = time.monotonic()
     proc = _dynamo("data", "prepare", "gsm8k_train", "--out", str(tmp_path / "data"),

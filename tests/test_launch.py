@@ -279,6 +279,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_list_show_and_dryrun(tmp_path):
     nemo()
     out = _cli("launch", "list")
@@ -311,6 +312,7 @@ def test_cli_list_show_and_dryrun(tmp_path):
         assert proc.returncode == 2 and proc.stderr.startswith("dynamo launch:"), (bad, proc.stderr)
 
 
+@pytest.mark.slow
 def test_yaml_path_recipe_renders_a_cpu_slurm_job_whose_torchrun_passes_usr1_and_waits(tmp_path):
     """A YAML path is a recipe (1 node x 1 GPU by default, named after the file); --gpus-per-node 0 asks for no GPU
     and runs one rank per node; torchrun handles SIGUSR1 (nemo-run's time-limit signal) and gives the ranks 270 s."""
@@ -622,6 +624,7 @@ def tiny_megatron(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_export_from_a_launched_rank_runs_a_single_process_converter(tiny_megatron, tmp_path, monkeypatch):
     """The trainer's checkpoint.export_hf and `dynamo eval --checkpoint <Megatron checkpoint>` call export_to_hf in
     a rank of an N-process job (torchrun or srun): the converter child must not take itself for rank 3 of 4."""
