@@ -29,7 +29,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.path.join(REPO, "..", "shared", "data", "math")
 
 
 def _config(args, limit: int, per_batch: int):
@@ -69,7 +68,7 @@ def main() -> None:
     parser.add_argument("--model-config", default=os.path.join(REPO, "configs", "models", "tiny-qwen2.json"),
                         help="HF config.json of the model shape")
     parser.add_argument("--benchmarks", default="math500", help="comma-separated benchmark names or JSONL paths")
-    parser.add_argument("--data-dir", default=os.environ.get("MEGATRON_DYNAMO_DATA_DIR", DEFAULT_DATA),
+    parser.add_argument("--data-dir", default=os.environ.get("MEGATRON_DYNAMO_DATA_DIR", "data"),
                         help="directory of the benchmark JSONL files")
     parser.add_argument("--limit", type=int, default=32, help="problems per benchmark")
     parser.add_argument("--n", type=int, default=8, help="samples per problem")

@@ -91,12 +91,14 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="reward worker processes")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each variant (alternating)")
     parser.add_argument("--baseline-rev", default="4fb5b7a", help="git revision with the hand-written pool")
-    parser.add_argument("--data-dir", default=os.environ.get("MEGATRON_DYNAMO_DATA_DIR", "/work/shared/data/math"))
+    parser.add_argument("--data-dir", default=os.environ.get("MEGATRON_DYNAMO_DATA_DIR", "data"),
+                        help="where dapo_math_17k.jsonl is (`dynamo data prepare dapo_math_17k` writes it to data/)")
     parser.add_argument("--measure", choices=("pebble", "handwritten"), help=argparse.SUPPRESS)
     parser.add_argument("--module-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(args.data_dir, "dapo_math_17k.jsonl")):
-        print(f"bench_reward: no dapo_math_17k.jsonl in {args.data_dir} (--data-dir)", file=sys.stderr)
+        print(f"bench_reward: --data-dir: no dapo_math_17k.jsonl in {args.data_dir}; write it there with "
+              f"`dynamo data prepare dapo_math_17k --out {args.data_dir}`", file=sys.stderr)
         return 2
     if args.measure:
         print(json.dumps(measure(args.measure, args.module_dir, args)))

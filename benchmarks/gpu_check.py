@@ -29,8 +29,8 @@ Parts (each a function ``part_<name>(ctx) -> dict`` in ``gpu_check_parts/part_<n
   16k response tokens of a DRA-like length mix: peak memory of the fused output layer vs the unfused one, tokens/s
   of dynamic and packed micro-batches vs padded ones.
 
-Without CUDA every part reports "skipped: no CUDA". ``--cpu`` (developers only; never appended to RESULTS.md) runs
-the parts that can run on a CPU with tiny shapes, to check this file's own code paths without a GPU.
+Without CUDA every part reports "skipped: no CUDA". ``--cpu`` (developers only; never appended to the changelog)
+runs the parts that can run on a CPU with tiny shapes, to check this file's own code paths without a GPU.
 """
 
 from __future__ import annotations

@@ -8,9 +8,16 @@ Exit codes: 0 success; 1 error (missing/unexpected tensor, shape mismatch, unsup
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import textwrap
+
+from megatron_dynamo import library_logs
+
+# Spawned workers import this package (never its __main__) before they run: the console policy that main() chose
+# reaches them before any library warns.
+library_logs.apply_from_environment()
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 0, 1, 2, 3
 
@@ -72,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pp", type=_positive, default=1, metavar="N",
                        help=f"pipeline-parallel size {layout_help} (default 1)")
         p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (errors still print)")
+        p.add_argument("--verbose", action="store_true",
+                       help="the libraries' own warnings and progress bars too (left out by default, as in training)")
 
     h2m = sub.add_parser(
         "hf-to-megatron", help="HF safetensors -> Megatron distributed checkpoint",
@@ -139,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The trainer's quiet console (megatron_dynamo/library_logs.py): the library warnings that say nothing the user
+    # can act on are left out, here and in the worker processes, and so are transformers' progress bars.
+    library_logs.apply(args.verbose)
+    if not args.verbose:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from checkpoints_convert import convert
     from checkpoints_convert.launch import RankError, is_driver

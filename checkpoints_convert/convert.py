@@ -37,6 +37,15 @@ def _quiet(message: str) -> None:
     pass
 
 
+def size_text(num_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: ``3.1 MiB``, not ``0.00 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return ""  # unreachable: the loop returns at GiB
+
+
 class Progress:
     """One line per ~10% of the tensors (and a final line), on the driver rank only."""
 
@@ -52,7 +61,7 @@ class Progress:
         if self.enabled and (self.count >= self._next or self.count == self.total):
             self._next += max(1, self.total // 10)
             elapsed = time.perf_counter() - self.start
-            self.log(f"{self.what}: {self.count}/{self.total} tensors, {self.bytes / 2**30:.2f} GiB, {elapsed:.1f} s")
+            self.log(f"{self.what}: {self.count}/{self.total} tensors, {size_text(self.bytes)}, {elapsed:.1f} s")
 
 
 def check_layout(arch: QwenArchitecture, tp: int, pp: int) -> None:
@@ -180,7 +189,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 
     torch_dtype(dtype)
     if is_driver():
         log(f"hf-to-megatron: {hf_dir} ({arch.model_type}, {arch.num_layers} layers, {len(reader.names())} tensors, "
-            f"{reader.total_bytes() / 2**30:.2f} GiB) -> {out} as {dtype} at tp={tp} pp={pp}")
+            f"{size_text(reader.total_bytes())}) -> {out} as {dtype} at tp={tp} pp={pp}")
     with _output_dir(out, force) as tmp:
         results = run_ranks(_hf_to_megatron_rank, tp * pp, str(hf_dir), arch, dtype, tp, pp, str(tmp), quiet,
                             max_item_bytes)

@@ -8,12 +8,17 @@ Rules:
 - values are converted to the field's type (``"3"`` -> 3 for an int field, ``"true"`` -> True) and a value that
   does not fit is an error naming the dotted key;
 - ``validate()`` of every section runs at load time, so a bad value stops the run before a model is built.
+
+Every error has one form: the dotted key, a colon, what is wrong and what would be right
+(``trainer.steps: must be >= 0, got -1``; ``trainer.stpes: no such key (did you mean trainer.steps?) ...``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import re
 import types
 import typing
 from typing import Any, Union
@@ -89,9 +94,10 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
 def _unknown_key(cls, key: str, prefix: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(key, names, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
     where = f"{prefix}." if prefix else ""
-    return ConfigError(f"unknown config key '{where}{key}'{hint}; valid keys here: {', '.join(names)}")
+    hint = f" (did you mean {where}{close[0]}?)" if close else ""
+    return ConfigError(f"{where}{key}: no such key{hint}; the keys {f'of {prefix}' if prefix else 'at the top'}: "
+                       f"{', '.join(names)}")
 
 
 def build(cls, values: dict[str, Any] | None, prefix: str = ""):
@@ -159,7 +165,15 @@ def _yaml_problem(exc: yaml.YAMLError, path: str | None = None) -> str:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
-    """The recipe's sections as a dict; a syntax error is a :class:`ConfigError` naming the file and line."""
+    """The recipe's sections as a dict; a syntax error is a :class:`ConfigError` naming the file and line, a
+    missing file one naming the recipes that are there."""
+    if not os.path.isfile(path):
+        folder = os.path.dirname(path) or "."
+        recipes = sorted(n for n in os.listdir(folder) if n.endswith((".yaml", ".yml"))) if os.path.isdir(
+            folder) else []
+        there = (f"the recipes in {folder}/: {', '.join(recipes)}" if recipes else
+                 "a recipe is a YAML file such as configs/cpu_default.yaml")
+        raise ConfigError(f"{path}: no such file; {there}")
     with open(path, encoding="utf-8") as f:
         try:
             data = yaml.safe_load(f) or {}
@@ -183,4 +197,25 @@ def validate_tree(obj, prefix: str = "") -> None:
         except ConfigError:
             raise
         except ValueError as exc:
-            raise ConfigError(f"{prefix.rstrip('.') or type(obj).__name__}: {exc}") from None
+            raise ConfigError(keyed_message(obj, prefix, str(exc))) from None
+
+
+_LEADING_KEY = re.compile(r"([A-Za-z_]\w*(?:\.\w+)*)(?: \(([^()]*)\))?:? (.*)", re.S)
+
+
+def keyed_message(obj, prefix: str, message: str) -> str:
+    """A section's ``validate()`` message in the one form: ``"steps must be >= 0, got -1"`` of section ``trainer.``
+    -> ``"trainer.steps: must be >= 0, got -1"``; ``"AllocationConfig.n_min (9) must be <= n_max (8)"`` of
+    ``dynamo.allocation.`` -> ``"dynamo.allocation.n_min: must be <= n_max (8), got 9"``. A message that does not
+    start with one of the section's keys is put after the section's name."""
+    section = prefix.rstrip(".")
+    text = message
+    for lead in (f"{type(obj).__name__}.", f"{section}." if section else None):
+        if lead and text.startswith(lead):
+            text = text[len(lead):]
+            break
+    match = _LEADING_KEY.match(text)
+    if match and match.group(1).split(".")[0] in {f.name for f in dataclasses.fields(obj)}:
+        rest = match.group(3) + (f", got {match.group(2)}" if match.group(2) else "")
+        return f"{prefix}{match.group(1)}: {rest}"
+    return f"{section or type(obj).__name__}: {text}"

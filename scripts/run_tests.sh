@@ -12,6 +12,13 @@ $pip install --no-deps -e .
 if [[ $(id -u) -eq 0 ]] && { command -v slurmctld >/dev/null || command -v apt-get >/dev/null; }; then
   bash scripts/local_slurm.sh up || echo "run_tests: the local Slurm cluster did not come up; the slurm tests skip" >&2
 fi
+# The documentation site's browser check (tests/test_docs.py) drives Debian's headless Chromium through
+# chromedriver: install both where we can (root, apt-get; about a minute). Elsewhere that test skips and says why.
+if [[ $(id -u) -eq 0 ]] && ! { [[ -x /usr/bin/chromium ]] && [[ -x /usr/bin/chromedriver ]]; } \
+    && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+    || echo "run_tests: chromium did not install; the browser check of the documentation skips" >&2
+fi
 set +e
 python -m pytest "$@"
 status=$?

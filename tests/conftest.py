@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: spawns several gloo processes")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
-    config.addinivalue_line("markers", "slow: takes more than ~30 s on the 2-core CPU machine")
+    config.addinivalue_line("markers", "slow: more than ~12 s on the 2-core CPU machine, or several processes "
+                                       "(every distributed and slurm test); `pytest -m 'not slow'` is the fast tier")
     config.addinivalue_line("markers", "slurm: real jobs on the local Slurm cluster (scripts/local_slurm.sh up; "
                                        "skipped without it)")
 
@@ -19,6 +20,9 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:  # the fast tier runs in one process: multi-process and Slurm tests are slow by definition
+        if "distributed" in item.keywords or "slurm" in item.keywords:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

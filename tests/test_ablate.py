@@ -334,6 +334,7 @@ def _analysis(out):
     return json.loads((Path(out) / "ablation.json").read_text())["analysis"]
 
 
+@pytest.mark.slow
 def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_path, capsys):
     variants = "grpo,dra,gc,ums,dra+gc,dra+ums,gc+ums,dynamo,dynamo-p0.5"
     whole = FakeTrainer()

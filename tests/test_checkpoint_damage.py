@@ -152,6 +152,7 @@ def _cli(output_dir, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_cli_resume_skips_flipped_optimizer_bytes_and_replaces_the_damaged_step(tmp_path):
     """The issue's case: 2 KB of random bytes in an optimizer shard loaded silently and the run went on with
     non-finite losses. Now: one line names the shard, step 1 is loaded (said on the console), step 2 is trained
@@ -185,6 +186,7 @@ def test_cli_resume_skips_flipped_optimizer_bytes_and_replaces_the_damaged_step(
     assert "Traceback" not in stopped.stderr
 
 
+@pytest.mark.slow
 def test_two_ranks_with_no_intact_checkpoint_stop_in_one_line_exit_2(tmp_path):
     """--nproc 2: both ranks find the only checkpoint incomplete before building anything; the launcher prints the
     ranks' common line once and exits 2 (RankError carries no exception type: the line's prefix says it)."""

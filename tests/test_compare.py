@@ -89,6 +89,7 @@ def test_compare_help_documents_every_option():
     assert "identical for all variants of one seed" in out.replace("\n", " ")
 
 
+@pytest.mark.slow
 def test_compare_rejects_bad_arguments_before_any_run(tmp_path):
     for extra in (["trainer.seed=3"], ["trainer.stpes=3"], ["--variants", "grpo,ppo"], ["--seeds", "1,1"]):
         proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "compare", "configs/cpu_default.yaml",

@@ -35,8 +35,8 @@ def test_yaml_values_and_overrides_are_converted():
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"stpes": 3}, r"unknown config key 'stpes' \(did you mean 'steps'\?\)"),
-    ({"inner": {"n_mni": 3}}, r"unknown config key 'inner.n_mni' \(did you mean 'n_min'\?\)"),
+    ({"stpes": 3}, r"^stpes: no such key \(did you mean steps\?\); the keys at the top: steps, inner, tags$"),
+    ({"inner": {"n_mni": 3}}, r"^inner.n_mni: no such key \(did you mean inner.n_min\?\); the keys of inner: "),
     ({"steps": "many"}, r"steps: expected an integer"),
     ({"steps": 2.5}, r"steps: expected an integer"),
     ({"inner": {"on": "maybe"}}, r"inner.on: expected true or false"),
@@ -49,10 +49,31 @@ def test_bad_keys_and_values_name_the_key(values, message):
 
 def test_validate_tree_names_the_section():
     cfg = build(Outer, {"inner": {"n_min": 0}})
-    with pytest.raises(ConfigError, match=r"inner: n_min must be >= 1"):
+    with pytest.raises(ConfigError, match=r"^inner.n_min: must be >= 1"):
         validate_tree(cfg)
 
 
 def test_malformed_override():
     with pytest.raises(ConfigError, match="key=value"):
         apply_overrides({}, ["steps"])
+
+
+def test_every_validation_message_has_one_form():
+    """The dotted key, a colon, what is wrong and what would be right, whatever the section's own wording was."""
+    from megatron_dynamo.trainer.config import load_run_config
+
+    recipe = "configs/cpu_default.yaml"
+    for override, message in [
+        ("trainer.steps=-1", "trainer.steps: must be >= 0, got -1"),  # was "trainer: steps must be >= 0, got -1"
+        ("optim.lr=0", "optim.lr: must be > 0, got 0.0"),  # was "optim: optim.lr must be > 0, got 0.0"
+        ("dynamo.allocation.n_min=30", "dynamo.allocation.n_min: must be <= n_max (12), got 30"),  # a class name
+        ("data.prompts_per_step=33", "data.prompts_per_step: must be a multiple of trainer.mini_batch_prompts "
+                                     "(32), got 33"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1, got 0"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_run_config(recipe, [override])
+        assert str(info.value) == message
+    with pytest.raises(ConfigError) as info:
+        load_run_config("configs/nope.yaml")  # was a raw "[Errno 2] No such file or directory: 'configs/nope.yaml'"
+    assert str(info.value).startswith("configs/nope.yaml: no such file; the recipes in configs/: cpu_default.yaml, ")

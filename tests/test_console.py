@@ -22,10 +22,12 @@ def test_cpu_default_console_is_one_line_per_step(tmp_path):
                                                              "VLLM_LOGGING_LEVEL")}
     proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT,
                            f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.sft_warmup_steps=10"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=REPO, env=env)
-    assert proc.returncode == 0, proc.stdout[-5000:]
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     lines = proc.stdout.splitlines()
-    # A fixed header (the command, the SFT warm-up), one line per step, a footer; nothing from the libraries.
+    # A fixed header (the command, the SFT warm-up), one line per step, a footer, all on stdout (`> log` keeps
+    # them all: the warm-up and the footer went to stderr before); nothing from the libraries, nothing on stderr.
+    assert proc.stderr == "", proc.stderr
     assert len(lines) == 3 + 3 + 1, proc.stdout
     assert lines[0] == f"dynamo train: {CPU_DEFAULT} (dynamo), 3 steps -> {tmp_path / 'run'}"
     assert lines[1] == "dynamo train: 1 rank (this process): DP 1 x TP 1 x PP 1; 1 rollout engine of 1 rank"
@@ -96,7 +98,7 @@ def test_wandb_mode_needs_wandb_before_any_rank_starts(monkeypatch):
 
     from megatron_dynamo.trainer import preflight
 
-    with pytest.raises(ConfigError, match="logging.wandb: mode must be one of"):
+    with pytest.raises(ConfigError, match=r"^logging.wandb.mode: must be one of"):
         load_run_config(CPU_DEFAULT, ["logging.wandb.mode=onlne"])
     run = load_run_config(CPU_DEFAULT, ["logging.wandb.mode=offline"])
     real_find_spec = importlib.util.find_spec

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -457,6 +458,13 @@ def test_cli_spawns_workers_converts_and_verifies(models, tmp_path):
     assert code == 0, err
     diff = float(out.split("max_abs_logit_diff")[1].split()[0])
     assert diff <= 1e-4 and "PASS" in err, (out, err)
+    # The trainer's quiet console: the verdict alone, no library FutureWarning / UserWarning, no progress bar.
+    assert len(err.splitlines()) == 1 and err.startswith("verify: "), err
+    code, _, err = _program("hf-to-megatron", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--out",
+                            tmp_path / "meg1")
+    assert code == 0, err
+    header = err.splitlines()[0]  # a model of a few MB: its size in MiB, not "0.00 GiB"
+    assert re.search(r", \d+\.\d MiB\) -> ", header), header
     # The same checkpoint against a different HF model of the same shape: verify must fail with exit code 3.
     other = tmp_path / "other"
     hf_model(TINY_QWEN3, seed=99).save_pretrained(other)

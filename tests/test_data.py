@@ -31,8 +31,7 @@ from megatron_dynamo.data import (
     sft_pairs,
 )
 
-MATH_DATA = Path(os.environ.get("MEGATRON_DYNAMO_TEST_DATA", "/work/shared/data/math"))
-needs_math_data = pytest.mark.skipif(not MATH_DATA.is_dir(), reason="no local math data directory")
+MATH_DATA = Path(__file__).parent / "fixtures" / "math"  # the first rows of every benchmark file (its README)
 
 
 @pytest.fixture(autouse=True)
@@ -42,9 +41,8 @@ def _no_data_dir_from_the_environment(monkeypatch):
 
 # --- loading the real files -----------------------------------------------------------------------------------
 
-@needs_math_data
-@pytest.mark.parametrize("filename", sorted(p.name for p in MATH_DATA.glob("*.jsonl")) if MATH_DATA.is_dir() else [])
-def test_every_shared_file_loads(filename):
+@pytest.mark.parametrize("filename", sorted(p.name for p in MATH_DATA.glob("*.jsonl")))
+def test_every_benchmark_file_loads(filename):
     path = MATH_DATA / filename
     dataset = load_math_jsonl(path)
     num_lines = sum(1 for line in path.open("rb") if line.strip())
@@ -55,24 +53,23 @@ def test_every_shared_file_loads(filename):
     assert all(e.problem.strip() and e.answer.strip() for e in dataset)
     # stable: the same file gives the same ids in the same order
     assert [e.id for e in load_math_jsonl(path)] == ids
-    if filename == "math_train.jsonl":  # two rows of the shared file have "answer": null
-        assert [(s.line, s.reason) for s in dataset.skipped] == [(887, "missing 'answer'"), (1010, "missing 'answer'")]
+    if filename == "math_train.jsonl":  # its last two rows (887 and 1010 of MATH train) have "answer": null
+        assert [(s.line, s.reason) for s in dataset.skipped] == [(7, "missing 'answer'"), (8, "missing 'answer'")]
     else:
         assert dataset.num_skipped == 0
 
 
-@needs_math_data
 def test_registered_names_resolve_in_a_data_dir(monkeypatch):
     for name, spec in DATASETS.items():
         assert (MATH_DATA / spec.filename).is_file(), name
     minerva = load_math_jsonl("minerva", data_dir=MATH_DATA)
-    assert len(minerva) == 272 and minerva[0].answer_candidates
+    assert len(minerva) == 8 and minerva[0].answer_candidates
     first = minerva[0]
     assert first.references()[0] == first.answer
     assert "type" in first.extras and first.data_source == "minerva_math"
     monkeypatch.setenv(DATA_DIR_ENV, str(MATH_DATA))
-    assert len(load_math_jsonl("aime24")) == 30
-    assert len(load_math_jsonl("BytedTsinghua-SIA/DAPO-Math-17k")) == 17_917  # the hub id names it too
+    assert len(load_math_jsonl("aime24")) == 8
+    assert len(load_math_jsonl("BytedTsinghua-SIA/DAPO-Math-17k")) == 8  # the hub id names it too
     assert load_math_jsonl("olympiadbench")[0].extras["answer_type"] == "Numerical"
 
 
@@ -428,3 +425,34 @@ def test_char_tokenizer_round_trip_and_save_load(tmp_path):
     assert tokenizer.encode("é", add_special_tokens=False) == [tokenizer.unk_token_id]
     eos_ids = tokenizer.encode("68<|endoftext|>", add_special_tokens=False)
     assert loaded.decode(eos_ids, skip_special_tokens=True) == "68"
+
+
+# --- one's own file in a common shape ---------------------------------------------------------------------------
+
+def test_gsm8k_and_math_shaped_rows_are_read_as_such(tmp_path):
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "How many?", "answer": "3 * 400 = 1,200\n#### 1,200"}) + "\n"
+                   + json.dumps({"question": "And now?", "answer": "5 - 2 = 3\n#### 3"}) + "\n")
+    first, second = load_math_jsonl(gsm)
+    assert (first.problem, first.answer, second.answer) == ("How many?", "1200", "3")
+    assert first.extras["solution"] == "3 * 400 = 1,200\n#### 1,200"
+    maths = tmp_path / "math.jsonl"
+    maths.write_text(json.dumps({"problem": "Simplify.", "solution": "So $\\boxed{\\frac{1}{2}}$, not \\boxed{3}."})
+                     + "\n" + json.dumps({"problem": "Given.", "solution": "x", "answer": "7"}) + "\n")
+    boxed, given = load_math_jsonl(maths)
+    assert (boxed.answer, given.answer) == ("3", "7")  # the last box; an explicit answer wins
+
+
+def test_a_file_of_no_known_shape_fails_in_one_line(tmp_path, caplog):
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text("".join(json.dumps({"q": f"{i}+1", "a": str(i + 1)}) + "\n" for i in range(30)))
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as info:
+        load_math_jsonl(bad)
+    message = str(info.value)
+    assert "\n" not in message and "every row: missing 'problem'" in message and "docs/own-data.md" in message
+    assert not caplog.records  # no line per row
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"problem": "p", "answer": "1"}) + "\n" + json.dumps({"q": "x"}) + "\n")
+    with caplog.at_level(logging.WARNING):
+        assert len(load_math_jsonl(mixed)) == 1
+    assert [r.getMessage() for r in caplog.records] == [f"{mixed}:2: skipped malformed row: missing 'problem'"]

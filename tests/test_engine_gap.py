@@ -125,6 +125,7 @@ def _gap_worker(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_engine_importance_weights_in_the_real_loss():
     (out,) = run_on_ranks(_gap_worker, 1)
     assert out["off_loss"] == pytest.approx(out["unweighted"], rel=1e-5)

@@ -18,9 +18,7 @@ from megatron_dynamo.eval.runner import (EvalConfig, EvalError, evaluate, format
 
 from hf_reference import REPO, hf_model
 
-DATA_DIR = "/work/shared/data/math" if os.path.isdir("/work/shared/data/math") else os.path.join(
-    REPO, "..", "shared", "data", "math")
-needs_data = pytest.mark.skipif(not os.path.isdir(DATA_DIR), reason="benchmark files not present")
+DATA_DIR = os.path.join(REPO, "tests", "fixtures", "math")  # the first rows of the six benchmarks (its README)
 
 
 # ------------------------------------------------------------------------------------------------ estimator
@@ -175,7 +173,6 @@ def _untimed(summary):
     return {k: v for k, v in summary.items() if k not in TIMING}
 
 
-@needs_data
 @pytest.mark.distributed
 def test_collective_evaluation_writes_what_one_engine_writes(tmp_path):
     """Two ranks: the problems of each batch are split over two engines (each problem generated once), or one
@@ -252,7 +249,7 @@ def _by_key(records):
 SMALL = dict(n=3, k=(3,), max_tokens=8, limit=2, problems_per_batch=2, data_dir=DATA_DIR)
 
 
-@needs_data
+@pytest.mark.slow
 def test_six_benchmarks_resume_after_interruption_to_the_same_samples(engine, tokenizer, scorer, tmp_path):
     config = EvalConfig(benchmarks=BENCHMARKS, **SMALL)
     whole = evaluate(engine, tokenizer, scorer, config, tmp_path / "whole", model="tiny", progress=False)
@@ -290,7 +287,7 @@ def test_six_benchmarks_resume_after_interruption_to_the_same_samples(engine, to
         evaluate(None, tokenizer, scorer, config, tmp_path / "short", max_prompt_tokens=50, progress=False)
 
 
-@needs_data
+@pytest.mark.slow
 def test_correct_flags_and_answer_candidates(engine, tokenizer, scorer, tmp_path):
     """Rig a benchmark whose accepted answers are answers the model gave: the same seeds give the same samples,
     so those samples must be counted correct, every flag must agree with the scorer, and pass@k with the flags."""
@@ -354,7 +351,7 @@ def _dynamo_eval(*args):
                           capture_output=True, text=True, timeout=900)
 
 
-@needs_data
+@pytest.mark.slow
 def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path):
     """The CLI end to end: HF -> Megatron with the converter, then `dynamo eval` converts it back, generates with
     vLLM, writes samples/summary and prints the table."""
@@ -399,7 +396,6 @@ def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path):
     assert (out / "samples.jsonl").read_bytes() == samples
 
 
-@needs_data
 @pytest.mark.distributed
 def test_dynamo_eval_on_two_engines_writes_what_one_engine_writes(tiny_model, tmp_path):
     """`--nproc 2` (TP 1: two vLLM engines, each batch of problems split over them) against `--nproc 1`: the same

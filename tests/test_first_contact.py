@@ -127,6 +127,7 @@ def test_yaml_syntax_errors_are_one_line_with_file_and_line(tmp_path):
 # 6 ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("env", [{"HF_ENDPOINT": "http://127.0.0.1:9"},
                                  {"HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}])
+@pytest.mark.slow
 def test_data_prepare_without_network_says_so_in_one_line_at_once(tmp_path, env):
     start = time.monotonic()
     proc = _dynamo("data", "prepare", "gsm8k_train", "--out", str(tmp_path / "data"),
@@ -145,7 +146,7 @@ def test_an_output_directory_with_checkpoints_is_refused_before_the_header(tmp_p
     (step / "trainer_state.json").write_text("{}")
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     _one_line_exit_2(_dynamo("train", CPU_DEFAULT, f"trainer.output_dir={tmp_path / 'run'}"), "dynamo train: ",
-                     "already holds checkpoints", "--resume")
+                     "already holds checkpoints", "--resume", f"trainer.output_dir={tmp_path / 'run'}-grpo")
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
     (tmp_path / "file").write_text("")
     _one_line_exit_2(_dynamo("train", CPU_DEFAULT, f"trainer.output_dir={tmp_path / 'file'}"), "dynamo train: ",
@@ -210,3 +211,20 @@ def test_ablate_checks_the_recipes_data_names_before_any_run(tmp_path):
     _one_line_exit_2(proc, "dynamo ablate: data.train: ", "'gsm8k_train.jsonl' is not in 'data'",
                      "dynamo data prepare gsm8k_train")
     assert not (tmp_path / "abl").exists()
+
+
+# 10 ---------------------------------------------------------------------------------------------------------------
+def test_a_baseline_that_equals_grpo_says_so_at_start_up():
+    """With one mini-batch a step the ratio is 1: clip_higher and kl_cov give GRPO's metrics, bit for bit."""
+    from megatron_dynamo.commands.train import equals_grpo_note
+
+    for algo in ("clip_higher", "kl_cov"):
+        note = equals_grpo_note(load_run_config(CPU_DEFAULT, algo=algo), algo)
+        assert note.startswith(f"note: --algo {algo} acts only where pi / pi_old moves away from 1")
+        assert "\n" not in note
+        assert "equals --algo grpo" in note and "trainer.mini_batch_prompts=8" in note
+    several = load_run_config(CPU_DEFAULT, ["trainer.mini_batch_prompts=8"], algo="clip_higher")
+    assert equals_grpo_note(several, "clip_higher") is None
+    assert equals_grpo_note(load_run_config(CPU_DEFAULT, ["trainer.ppo_epochs=2"], algo="kl_cov"), "kl_cov") is None
+    for algo in ("grpo", "dynamo", "entropy_loss", "clip_cov", "w_reinforce"):
+        assert equals_grpo_note(load_run_config(CPU_DEFAULT, algo=algo), algo) is None

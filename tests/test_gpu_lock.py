@@ -76,6 +76,7 @@ def _difference(fresh: Path, lock: Path) -> tuple[list[str], list[str]]:
     return sorted(fresh_lines - lock_lines), sorted(lock_lines - fresh_lines)
 
 
+@pytest.mark.slow
 def test_gpu_lock_resolves_for_the_gpu_platform(tmp_path):
     start = time.monotonic()
     run = _resolve_with(GPU_LOCK, tmp_path / "resolved.lock")

@@ -101,20 +101,29 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_offline(offline, monkeypatch, 
     assert resolve_model_dir(HUB_ID, "checkpoint", local_only=True) == other
 
 
-def test_local_paths_win_and_other_strings_are_left_to_the_callers_error(offline, monkeypatch, tmp_path):
-    from megatron_dynamo.models.hub import is_hub_id, resolve_model_dir
+def test_local_paths_win_and_missing_ones_say_no_such_directory(offline, monkeypatch, tmp_path):
+    from megatron_dynamo.models.hub import HubModelError, is_hub_id, is_hub_reference, resolve_model_dir
 
     for text in ("Qwen/Qwen2.5-Math-1.5B", "tiny-org/tiny_model.v2", "checkpoints/Qwen3-14B"):
         assert is_hub_id(text), text
     for text in ("char", "Qwen", "/abs/path", "a/b/c", "./x", "../x/y", "x/", "a--b/c", "a/b..c", "-a/b", "a/b.git",
                  "~/models"):
         assert not is_hub_id(text), text
-    assert resolve_model_dir("/nonexistent/model", "checkpoint") == Path("/nonexistent/model")
-    with pytest.raises(ConfigError, match="^model.checkpoint: no such directory: /nonexistent/model$"):
+    with pytest.raises(HubModelError, match="^/nonexistent/model: no such directory; the nearest existing one is /$"):
+        resolve_model_dir("/nonexistent/model", "checkpoint")
+    with pytest.raises(ConfigError, match="^model.checkpoint: /nonexistent/model: no such directory"):
         from megatron_dynamo.trainer.preflight import check_run_inputs
 
         check_run_inputs(load_run_config(CPU_DEFAULT, ["model.checkpoint=/nonexistent/model"]))
     monkeypatch.chdir(tmp_path)
+    # Spelled like an id but a path: a mistyped run directory (was: "fill it with `hf download outputs/cpu_defualt`")
+    (tmp_path / "outputs" / "cpu_default").mkdir(parents=True)
+    assert not is_hub_reference("outputs/cpu_defualt") and not is_hub_reference("runs/x")
+    with pytest.raises(HubModelError, match=r"^outputs/cpu_defualt: no such directory \(did you mean "
+                                            r"outputs/cpu_default\?\)$"):
+        resolve_model_dir("outputs/cpu_defualt", "checkpoint")
+    with pytest.raises(HubModelError, match="^runs/x: no such directory; the nearest existing one is ./$"):
+        resolve_model_dir("runs/x", "checkpoint")
     (tmp_path / "tiny-org" / "tiny-qwen2-hub").mkdir(parents=True)  # a local directory spelled like the id
     assert resolve_model_dir(HUB_ID, "checkpoint") == Path(HUB_ID)
 

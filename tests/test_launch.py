@@ -279,6 +279,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_list_show_and_dryrun(tmp_path):
     nemo()
     out = _cli("launch", "list")
@@ -293,6 +294,15 @@ def test_cli_list_show_and_dryrun(tmp_path):
     assert dry.returncode == 0, dry.stderr
     assert "#SBATCH --nodes=2" in dry.stdout and "#SBATCH --time=04:00:00" in dry.stdout
     assert "torchrun --rdzv-backend c10d" in dry.stdout and "TORCHX_MAX_RETRIES=20" in dry.stdout
+    # What the script leaves unsaid: the command every task runs, where the logs go, what is not set; and no
+    # nemo-run bookkeeping note ("Detected Torchrun launcher ...") in the middle of the script.
+    notes = dry.stdout.split("\nfi\n")[-1].splitlines()
+    assert notes[:2] == ["# every task (one srun task per node; torchrun in it starts 8 processes, each one rank "
+                         "running):", "#   dynamo train configs/qwen3-14b.yaml trainer.steps=9 --algo dynamo --resume"]
+    assert notes[3].startswith("# logs: the batch script's ") and notes[3].endswith(".out")
+    assert notes[4].startswith("#       each task's ") and "log-dynamo-qwen3-14b_%j_" in notes[4]
+    assert notes[-1] == "# not set: --account ($DYNAMO_SLURM_ACCOUNT): sbatch takes the cluster's defaults"
+    assert "Detected Torchrun" not in dry.stdout + dry.stderr
     local = _cli("launch", "run", "qwen3-14b", "--executor", "local", "--dryrun")
     assert local.returncode == 2 and "--nodes 1" in local.stderr
     for bad in (["launch", "run", "qwen4", "--executor", "local"], ["launch", "show", "qwen3-14b", "trainer.step=1"],
@@ -302,6 +312,7 @@ def test_cli_list_show_and_dryrun(tmp_path):
         assert proc.returncode == 2 and proc.stderr.startswith("dynamo launch:"), (bad, proc.stderr)
 
 
+@pytest.mark.slow
 def test_yaml_path_recipe_renders_a_cpu_slurm_job_whose_torchrun_passes_usr1_and_waits(tmp_path):
     """A YAML path is a recipe (1 node x 1 GPU by default, named after the file); --gpus-per-node 0 asks for no GPU
     and runs one rank per node; torchrun handles SIGUSR1 (nemo-run's time-limit signal) and gives the ranks 270 s."""
@@ -617,6 +628,7 @@ def tiny_megatron(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_export_from_a_launched_rank_runs_a_single_process_converter(tiny_megatron, tmp_path, monkeypatch):
     """The trainer's checkpoint.export_hf and `dynamo eval --checkpoint <Megatron checkpoint>` call export_to_hf in
     a rank of an N-process job (torchrun or srun): the converter child must not take itself for rank 3 of 4."""

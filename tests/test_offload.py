@@ -46,6 +46,7 @@ def _offload_worker(rank, world_size):
     return {"held": held, "emptied": emptied, "restored": restored, "next_loss": train_step()}
 
 
+@pytest.mark.slow
 def test_offload_round_trip_keeps_every_byte_and_training_goes_on():
     from multiproc import run_on_ranks
 

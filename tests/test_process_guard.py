@@ -151,6 +151,7 @@ def test_first_signal_asks_to_stop_second_kills(tmp_path):
     assert proc.returncode == -signal.SIGINT
 
 
+@pytest.mark.slow
 def test_spawned_children_start_in_their_own_session(tmp_path):
     script = tmp_path / "session.py"
     script.write_text(textwrap.dedent("""

@@ -116,6 +116,7 @@ def _local_spec_on_a_gpu_worker(rank, world_size):
             "bias_activation_fusion": config.bias_activation_fusion}
 
 
+@pytest.mark.slow
 def test_local_spec_builds_with_the_gpu_settings():
     """A GPU without Transformer Engine (the lent H200, 2026-11-26) builds the local spec: Megatron's torch norm
     refuses persist_layer_norm, and the fused softmax is asked for only where its compiled kernels import. The

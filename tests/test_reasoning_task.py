@@ -104,5 +104,5 @@ def test_warm_up_trains_on_worked_solutions_from_its_own_problems():
     assert len({e.problem for e in warm_up}) == run.data.sft_problems
     with pytest.raises(ConfigError, match="sft_problems"):
         load_run_config("configs/cpu_reasoning.yaml", ["data.train=some.jsonl"])
-    with pytest.raises(ConfigError, match="steps must be >= 0"):
+    with pytest.raises(ConfigError, match="trainer.steps: must be >= 0"):
         load_run_config("configs/cpu_reasoning.yaml", ["trainer.steps=-1"])

@@ -117,6 +117,7 @@ def test_requests_and_registry_validate():
 
 
 # ------------------------------------------------------------------------------------------------ generation
+@pytest.mark.slow
 def test_uneven_counts_stay_aligned_with_their_prompts(engine, tokenizer):
     from megatron_dynamo.reward import MathRewardScorer
 
@@ -223,6 +224,7 @@ def test_prefills_larger_than_one_step_budget(engine, tokenizer):
     check_responses(requests, responses)
 
 
+@pytest.mark.slow
 def test_seeds_are_reproducible_and_independent_of_the_batch(engine, tokenizer):
     examples = _distinct_answer_examples(6, seed=1)
     requests = _synthetic_requests(tokenizer, examples[:3], (3, 2, 4))
@@ -338,6 +340,7 @@ def _max_logprob_error(actor, responses) -> float:
                for ref, r in zip(reference, responses))
 
 
+@pytest.mark.slow
 def test_weight_sync_from_megatron_matches_logprobs(engine, tokenizer, runtime_info):
     from megatron_dynamo.data import render
     from megatron_dynamo.trainer.actor import MegatronActor

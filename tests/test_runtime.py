@@ -96,6 +96,7 @@ def _cpu_compat_worker(rank, world_size):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is only installed without CUDA")
+@pytest.mark.slow
 def test_cpu_compat_redirects_cuda_in_every_thread():
     from multiproc import run_on_ranks
 

@@ -140,6 +140,7 @@ def test_power_calc_t_quantiles_and_seed_count():
     assert pc.required_seeds(0.0, 0.25, 1.5, 0.8) == 4
 
 
+@pytest.mark.slow
 def test_power_calc_recovers_the_problem_clustered_evaluation_noise(tmp_path):
     """A pilot with known pass rates: variant A = B + a seed-specific shift, so the per-problem differences carry
     only sampling noise, V_eval = (w_A + w_B) / (n P); the script's estimate must match it (P = 400: ~7%) and its

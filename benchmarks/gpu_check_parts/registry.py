@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 QWEN_1_5B = REPO / "configs" / "models" / "qwen2.5-math-1.5b.json"
 TINY_QWEN2 = REPO / "configs" / "models" / "tiny-qwen2.json"
-RESULTS_MD = REPO / "benchmarks" / "RESULTS.md"
+RESULTS_MD = REPO / "docs" / "changelog.md"
 REPORT_TITLE = "## GPU check"
 
 

@@ -1,5 +1,5 @@
 """The check's report: results read back from the parts' JSON files, rendered as markdown, appended to
-RESULTS.md."""
+docs/changelog.md."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def registered_advantage_estimators() -> tuple[str, ...]:
 
 
 def group_advantages(rewards: Any, prompt_ids: Any, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages per response (DYNAMO.md step 6): A_j = (r_j - mean_g) / (std_g + eps), g = prompt of j.
+    """GRPO advantages per response (docs/algorithm.md, step 6): A_j = (r_j - mean_g) / (std_g + eps), g = prompt of j.
 
     Groups are the responses sharing a prompt id (int or str, any order, any group sizes). ``std_g`` is the
     *sample* standard deviation (Bessel-corrected, like ``torch.std`` and verl's GRPO estimator); with

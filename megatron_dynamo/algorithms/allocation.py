@@ -2,7 +2,7 @@
 
 - ``PromptHistory``: cumulative correct count k_i and attempt count G_i per stable prompt id (training state).
 - ``bernoulli_variance``: the unbiased Bernoulli variance P_i of eq. 2; ``prompt_variances`` adds the rule for
-  prompts with too little history (DYNAMO.md).
+  prompts with too little history (docs/algorithm.md).
 - ``allocate_rollouts``: the water level n_i = clip(lambda * P_i**power, n_min, n_max) with sum n_i = B, made
   integer by largest remainder; ``water_level`` is its continuous solution.
 - ``predicted_variance_ratio``: the eq. 23 diagnostic, sum sigma^2/n of the chosen allocation over uniform's.
@@ -81,7 +81,7 @@ def bernoulli_variance(k: ArrayLike, G: ArrayLike) -> np.ndarray | float:
 
     ``k`` correct answers out of ``G`` attempts (arrays broadcast; floats allowed, as produced by history decay).
     The estimator needs G >= 2: where G < 2 the result is NaN, and ``prompt_variances`` replaces it by the batch
-    rule of DYNAMO.md. Raises ValueError for non-finite values, negative counts or k > G.
+    rule of docs/algorithm.md. Raises ValueError for non-finite values, negative counts or k > G.
     """
     k_arr = _to_numpy(k)
     g_arr = _to_numpy(G)
@@ -202,7 +202,7 @@ class PromptHistory:
 
 
 def prompt_variances(history: PromptHistory, prompt_ids: ArrayLike, unknown_variance: float = 0.25) -> np.ndarray:
-    """P_i (eq. 2) for a batch of prompts, with DYNAMO.md's rule for prompts with too little history.
+    """P_i (eq. 2) for a batch of prompts, with docs/algorithm.md's rule for prompts with too little history.
 
     Prompts with G_i < 2 take the mean P of the batch's prompts that have history (G >= 2), or
     ``unknown_variance`` (0.25, the largest p (1 - p)) when none has; so the first epoch is near-uniform.
@@ -256,7 +256,7 @@ def _water_level(variance: np.ndarray, budget: int, n_min: int, n_max: int, powe
         return level
     saturated_total = num_zero * n_min + num_positive * n_max
     if budget >= saturated_total:
-        # Every informative prompt is at n_max: the rest is shared evenly among prompts with P = 0 (DYNAMO.md).
+        # Every informative prompt is at n_max: the rest is shared evenly among prompts with P = 0 (docs/algorithm.md).
         level[positive] = n_max
         if num_zero:
             level[~positive] = n_min + (budget - saturated_total) / num_zero
@@ -301,7 +301,7 @@ def _water_level(variance: np.ndarray, budget: int, n_min: int, n_max: int, powe
 
 
 def water_level(variances: ArrayLike, budget: int, n_min: int, n_max: int, power: float = 1.0) -> np.ndarray:
-    """Continuous water level of appendix D / DYNAMO.md: n_i = clip(lambda * P_i**power, n_min, n_max), sum = B.
+    """Continuous water level of appendix D / docs/algorithm.md: n_i = clip(lambda * P_i**power, n_min, n_max), sum = B.
 
     power = 1 is the paper's rule (n ~ P, appendix C); power = 0.5 is n ~ sigma (eq. 1, the variance optimum,
     and with the bounds the exact minimiser of sum sigma^2/n since the box-constrained KKT point has that form).

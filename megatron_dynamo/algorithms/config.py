@@ -2,7 +2,7 @@
 
 Three small frozen dataclasses that the trainer's config system embeds. Each has ``validate()``, which raises a
 ``ValueError`` naming the offending field, so a bad configuration is reported before any work starts.
-Defaults: paper section 2 / appendix I (table 3), and ``shared/notes/DYNAMO.md`` where the paper gives no value.
+Defaults: paper section 2 / appendix I (table 3), and ``docs/algorithm.md`` where the paper gives no value.
 """
 
 from __future__ import annotations
@@ -30,13 +30,16 @@ def _is_real(value: object) -> bool:
 
 @dataclass(frozen=True)
 class AllocationConfig:
-    """Dynamic rollout allocation (DRA, section 2.1, eqs. 1-2, appendix D).
+    """Dynamic rollout allocation (DRA, section 2.1, eqs. 1-2, appendix D; ``docs/algorithm.md``).
 
-    ``enabled=False`` gives every prompt ``n_avg`` rollouts (the "w/o DRA" ablation). The budget of a step with N
-    prompts is ``N * n_avg``; counts lie in ``[n_min, n_max]`` (the paper's [G_min, G_max] = [8, 24]).
-    ``power`` is the exponent applied to the Bernoulli variance P (1.0: the paper's rule n ~ P; 0.5: n ~ sigma,
-    eq. 1). ``unknown_variance`` is the P used for a prompt without enough history when no prompt of the batch has
-    any (DYNAMO.md). ``history_decay`` multiplies a prompt's past (k, G) each time it is revisited (1.0 = off).
+    Keys:
+        enabled: false: every prompt gets ``n_avg`` responses (the "w/o DRA" ablation).
+        n_avg {>= 1}: responses a prompt on average: a step with N prompts has a budget of N * n_avg.
+        n_min {>= 1}: the fewest responses a prompt gets (the paper's G_min); at most ``n_avg``.
+        n_max {>= 1}: the most responses a prompt gets (the paper's G_max); at least ``n_avg``.
+        power {> 0}: the exponent of the Bernoulli variance P: 1.0, the paper's rule (n ~ P); 0.5: n ~ sigma (eq. 1).
+        unknown_variance {>= 0}: the P of a prompt without enough history when no prompt of the batch has any.
+        history_decay {(0, 1]}: multiplies a prompt's past (k, G) each time it comes back; 1.0: off.
     """
 
     enabled: bool = True
@@ -75,12 +78,19 @@ class AllocationConfig:
 
 @dataclass(frozen=True)
 class ModulationConfig:
-    """Token-level advantage modulation (section 2.2, eqs. 3-4).
+    """Token-level advantage modulation (section 2.2, eqs. 3-4; ``docs/algorithm.md``).
 
-    ``gc`` switches gradient compensation (beta_comp, eq. 3), ``ums`` update-magnitude stabilisation (beta_stab,
-    eq. 4). ``delta_h`` selects how Xi = |Delta H| is computed: "exact" (Theorem 1 with the full vocabulary sum) or
-    "sequence_mean" (the public reference code's approximation). lambda_min is not given in the paper: 0.6
-    (DYNAMO.md).
+    Keys:
+        gc: gradient compensation (beta_comp, eq. 3).
+        ums: update-magnitude stabilisation (beta_stab, eq. 4).
+        alpha {>= 0}: the strength of gradient compensation (paper: 0.3).
+        gamma {> 0}: the steepness of the stabilisation's sigmoid (paper: 5; flat between 3 and 7).
+        tau: the sigmoid's midpoint in Xi / max Xi (paper: 0.5; flat between 0.4 and 0.6).
+        lambda_min {[0, 1]}: the smallest stabilisation factor (not in the paper: 0.6).
+        delta_h: how Xi = abs(Delta H) is computed: ``exact`` (Theorem 1, the whole vocabulary) or ``sequence_mean``
+            (the public reference code's approximation).
+        scope: where a mini-batch's H_min, H_max and max Xi come from: ``old_policy`` (the old-log-prob pass, no
+            extra forward) or ``current_policy`` (one no-grad forward before each later mini-batch; exact).
     """
 
     gc: bool = True
@@ -118,18 +128,31 @@ class ModulationConfig:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """PPO-clip policy loss (appendix I: clip 0.2, KL 0, entropy 0).
+    """The policy loss (appendix I: PPO-clip, clip 0.2, KL 0, entropy 0) and the parameters of the baselines of the
+    paper's Table 1, each read only by the loss of its name (``algorithms/baselines.py`` cites their sources).
 
-    ``clip_low``/``clip_high`` bound the ratio to [1 - clip_low, 1 + clip_high], exactly as given (the public
-    reference code silently used 0.28 for the upper bound). ``clip_ratio_c`` is the dual-clip constant for A < 0
-    (None switches dual clip off). ``kl_coef`` weighs the k3 KL estimator against the reference policy,
-    ``entropy_coef`` the entropy bonus. ``name`` picks the registered policy loss.
-    ``engine_is``: correct each token's loss for the gap between the rollout engine's log-prob of the sampled token
-    and the trainer's old-policy one (``losses.engine_importance_weights``): ``off``, ``truncate`` (weight
-    min(pi_old / pi_engine, ``engine_is_cap``), verl's and slime's truncated importance sampling) or ``mask`` (drop
-    tokens whose ratio lies outside [1 / cap, cap]). ``engine_is_cap`` > 1 (2.0, verl's default).
-    The ``entropy_loss_*``, ``fork_*``, ``entropy_adv_*``, ``clip_cov_*``, ``kl_cov_*`` and ``w_reinforce_*`` fields
-    parameterise the baseline losses of the same names (``algorithms/baselines.py``).
+    Keys:
+        name: the registered policy loss; ``--algo`` sets it for the baselines.
+        clip_low {[0, 1)}: the ratio's lower bound is 1 - clip_low.
+        clip_high {>= 0}: the ratio's upper bound is 1 + clip_high, exactly as given (the reference code used 0.28).
+        clip_ratio_c {> 1}: the dual-clip constant for A < 0; null: no dual clip.
+        kl_coef {0}: the weight of the k3 KL estimator against a reference policy (this trainer has none: 0).
+        entropy_coef: the weight of an entropy bonus.
+        loss_agg_mode: how token losses are averaged: over all tokens, or per sequence first.
+        engine_is: correct each token for the gap between the engine's and the trainer's log-prob of the sampled
+            token: ``off``; ``truncate`` (weight min(pi_old / pi_engine, cap)); ``mask`` (drop tokens whose ratio
+            lies outside [1 / cap, cap]) (``docs/rollout.md``).
+        engine_is_cap {> 1}: the cap of ``engine_is``; > 1.
+        entropy_loss_coef {>= 0}: ``entropy_loss``: the weight of the entropy term.
+        fork_top_ratio {(0, 1]}: ``fork_tokens``: the share of highest-entropy tokens that get a gradient.
+        entropy_adv_alpha {>= 0}: ``entropy_adv``: the entropy's weight in the advantage.
+        entropy_adv_kappa {> 0}: ``entropy_adv``: the entropy term is at most abs(A) / kappa.
+        clip_cov_ratio {(0, 1]}: ``clip_cov``: the share of tokens whose gradient is cut.
+        clip_cov_lb: ``clip_cov``: the covariance window's lower bound; below ``clip_cov_ub``.
+        clip_cov_ub: ``clip_cov``: the covariance window's upper bound.
+        kl_cov_ratio {(0, 1]}: ``kl_cov``: the share of tokens that get the KL penalty.
+        kl_cov_coef {>= 0}: ``kl_cov``: the penalty's weight.
+        w_reinforce_lambda {>= 0}: ``w_reinforce``: the weight of positive samples.
     """
 
     name: str = "ppo_clip"

@@ -6,7 +6,7 @@
 - ``beta_stab`` (eq. 4) damps tokens whose update would change the entropy most, Xi_t = |Delta H_t|.
 - ``delta_h_exact`` / ``delta_h_sequence_mean`` give Delta H_t (per unit learning rate, first order).
 
-Normalisation scope (DYNAMO.md): H_min, H_max and max Xi are taken over all valid tokens of the whole mini-batch
+Normalisation scope (docs/algorithm.md): H_min, H_max and max Xi are taken over all valid tokens of the whole mini-batch
 (one optimizer step) and reduced over the data-parallel group, so the result does not depend on micro-batch size,
 dynamic batching or DP size. Hence two phases:
 

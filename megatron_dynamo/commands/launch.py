@@ -148,19 +148,45 @@ def _show(args) -> int:
     return 0
 
 
+def _dryrun_notes(args, script: str, each_task: str, per_node: int | None) -> list[str]:
+    """What the sbatch script leaves unsaid: the command every task runs, where the logs go, what is not set."""
+    import re
+
+    batch_log = re.search(r"^#SBATCH --output=(\S+)", script, re.M)
+    task_log = re.search(r"^srun --output (\S+)", script, re.M)
+    ranks = f"torchrun in it starts {per_node} processes, each one rank running" if per_node else "it runs"
+    lines = [f"# every task (one srun task per node; {ranks}):", f"#   {each_task}",
+             "#   (the script hands it to nemo-run's runner through its task file, written when the job is submitted)",
+             f"# logs: the batch script's {batch_log.group(1) if batch_log else '(sbatch default)'}",
+             f"#       each task's {task_log.group(1) if task_log else '(with the batch log)'}",
+             "#   (nemo-run's job directory: --job-dir DIR or $DYNAMO_JOB_DIR puts it on the cluster's shared file "
+             "system)"]
+    unset = [f"--{key} (${env})" for key, env in (("account", "DYNAMO_SLURM_ACCOUNT"),
+                                                   ("partition", "DYNAMO_SLURM_PARTITION")) if not getattr(args, key)]
+    if unset:
+        lines.append(f"# not set: {', '.join(unset)}: sbatch takes the cluster's defaults")
+    return lines
+
+
 def _run(args) -> int:
     from megatron_dynamo.launch import nemo
-    from megatron_dynamo.launch.recipes import CONVERSIONS, TRAIN_ENV, check_layout, get_recipe
+    from megatron_dynamo.launch.entry import convert_args
+    from megatron_dynamo.launch.recipes import (CONVERSIONS, TRAIN_ENV, check_layout, get_recipe, recipe_overrides,
+                                                train_args)
 
     if args.name in CONVERSIONS:
         task = nemo.convert_task(CONVERSIONS[args.name], **_convert_params(args.overrides))
         nodes, gpus, env, torchrun, time_limit, retries = 1, None, {}, False, "04:00:00", 0
         summary = f"python -m checkpoints_convert {CONVERSIONS[args.name]} on 1 node (CPU)"
         name = args.name
+        each_task = "python -m checkpoints_convert " + shlex.join(
+            convert_args(CONVERSIONS[args.name], **_convert_params(args.overrides)))
     else:
         recipe = get_recipe(args.name)
         name = recipe.name  # a YAML path: its file name without .yaml (nemo-run's experiment and job name)
         task, cfg = nemo.train_task(recipe, args.overrides, _roots(args), args.algo)
+        each_task = "dynamo " + shlex.join(train_args(recipe, recipe_overrides(recipe, _roots(args), args.overrides),
+                                                      args.algo))
         nodes = args.nodes or (1 if args.executor == "local" else recipe.nodes)
         if args.executor == "local" and recipe.nodes > 1 and args.nodes is None:
             raise ValueError(f"{recipe.name} is laid out for {recipe.nodes} nodes; the local executor runs one node: "
@@ -194,6 +220,7 @@ def _run(args) -> int:
         rendered = nemo.render(task, executor, name, base)
         if rendered.script is not None:
             print(f"# sbatch --requeue --parsable {rendered.script_path.name}\n{rendered.script}")
+            print("\n".join(_dryrun_notes(args, rendered.script, each_task, gpus if torchrun else None)))
         else:
             print("\n".join(f"{k}={shlex.quote(v)}" for k, v in rendered.env.items() if k != "PATH"))
             print(shlex.join(rendered.command))

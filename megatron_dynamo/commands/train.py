@@ -75,6 +75,22 @@ def _layout_line(cfg, world_size: int, kind: str) -> str:
     return line
 
 
+#: The baselines that change only what happens when the ratio pi / pi_old moves away from 1 (docs/baselines.md).
+RATIO_ONLY_BASELINES = ("clip_higher", "kl_cov")
+
+
+def equals_grpo_note(cfg, algo: str) -> str | None:
+    """A note when ``algo`` cannot differ from GRPO: with one PPO mini-batch a step and one epoch every update runs
+    at the policy that generated the responses, the ratio is 1, and a ratio-only baseline gives GRPO's metrics."""
+    mini_batches = cfg.data.prompts_per_step // cfg.trainer.mini_batch_prompts * cfg.trainer.ppo_epochs
+    if algo not in RATIO_ONLY_BASELINES or mini_batches > 1:
+        return None
+    return (f"note: --algo {algo} acts only where pi / pi_old moves away from 1; with one mini-batch a step "
+            f"(data.prompts_per_step = trainer.mini_batch_prompts = {cfg.trainer.mini_batch_prompts}, ppo_epochs 1) "
+            f"it never does, and this run equals --algo grpo; to see it act, give a step several, e.g. "
+            f"trainer.mini_batch_prompts={max(1, cfg.trainer.mini_batch_prompts // 4)}")
+
+
 def run(args) -> int:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     from megatron_dynamo.config import ConfigError
@@ -107,6 +123,8 @@ def run(args) -> int:
         print(f"dynamo train: {_layout_line(cfg, job_world_size(cfg, args.nproc), launcher())}", flush=True)
         if prompt_note:
             print(f"dynamo train: {prompt_note}", flush=True)
+        if equals_grpo_note(cfg, args.algo):
+            print(f"dynamo train: {equals_grpo_note(cfg, args.algo)}", flush=True)
         if cfg.rollout.max_staleness and cfg.dynamo.loss.engine_is == "off":
             print(f"dynamo train: rollout.max_staleness={cfg.rollout.max_staleness} with dynamo.loss.engine_is=off: "
                   "the gradient ignores that the samples come from older weights (engine_is=truncate weighs each "

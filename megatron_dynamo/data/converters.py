@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from megatron_dynamo.data.rows import is_verl_row, validate_row, verl_user_text
+from megatron_dynamo.data.rows import gsm8k_final_answer, is_verl_row, last_boxed, validate_row, verl_user_text
 
 EMPTY_PROBLEM = "empty problem"
 NO_ANSWER = "no answer"
@@ -88,30 +88,6 @@ def answer_text(value: Any) -> str:
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() else repr(value)
     return _text(value)
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``) in ``text``, braces
-    balanced; None when there is none or it is empty or unclosed."""
-    if not isinstance(text, str):
-        return None
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    rest = text[start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox")):]
-    if rest.startswith(" "):  # "\boxed 5$"
-        return rest[1:].split("$")[0].strip() or None
-    if not rest.startswith("{"):
-        return None
-    depth = 0
-    for index, char in enumerate(rest):
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return rest[1:index].strip() or None
-    return None
 
 
 def strip_dapo_instruction(text: str) -> str:
@@ -209,10 +185,9 @@ def _gsm8k(row: dict[str, Any], index: int) -> dict[str, Any]:
     problem = _text(row.get("question"))
     if not problem:
         raise _Drop(EMPTY_PROBLEM)
-    solution = row.get("answer")
-    if not isinstance(solution, str) or "####" not in solution:
+    answer = gsm8k_final_answer(row.get("answer"))
+    if answer is None:
         raise _Drop(NO_HASHES)
-    answer = re.sub(r"(?<=\d),(?=\d{3}\b)", "", solution.split("####")[-1].strip())
     return _converted(_row_id(row, index, "id"), problem, answer)
 
 

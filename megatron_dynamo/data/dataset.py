@@ -1,6 +1,6 @@
 """Math prompt data: JSONL / parquet loading with row validation, a name registry, and a resumable seeded sampler.
 
-File format (the files in ``shared/data/math/`` and any file of the same shape): one JSON object per line with
+File format (``docs/algorithm.md``, "Data format"; what ``dynamo data prepare`` writes): one JSON object per line with
 ``id`` (string or integer), ``problem`` (non-empty string), ``answer`` (non-empty string; a JSON number is
 accepted and converted), optional ``data_source`` (string), optional ``answer_candidates`` (list of strings:
 other accepted forms of the answer, e.g. Minerva's); every other field is kept in ``extras``.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
@@ -77,7 +78,7 @@ class MathExample:
     def references(self, include_candidates: bool = True) -> list[str]:
         """Accepted answers for the reward: the answer, then the candidates not equal to it.
 
-        Caution with the shared Minerva file: in 27 of its 272 rows a candidate is the final answer of the
+        Caution with the Minerva file: in 27 of its 272 rows a candidate is the final answer of the
         previous subproblem, which is printed in the problem text itself (e.g. answer ``0.53``, candidates
         ``4.4e7``); accepting candidates there rewards copying the prompt. ``include_candidates=False`` scores
         against ``answer`` alone.
@@ -185,8 +186,6 @@ def load_math_file(path_or_name: str | os.PathLike, data_dir: str | os.PathLike 
 
     def skip(line_number: int, reason: str) -> None:
         skipped.append(SkippedRow(str(path), line_number, reason))
-        if len(skipped) <= _MAX_LOGGED_SKIPS:
-            logger.warning("%s:%d: skipped malformed row: %s", path, line_number, reason)
 
     for line_number, row, error in (parquet_rows(path) if parquet else jsonl_rows(path)):
         if error:
@@ -209,12 +208,25 @@ def load_math_file(path_or_name: str | os.PathLike, data_dir: str | os.PathLike 
             fields["data_source"] = source
         examples.append(MathExample(id=example_id, **fields))
 
+    if not examples:  # one line, not a line per row: the file's shape is wrong, not some of its rows
+        raise ValueError(no_valid_rows(path, skipped))
+    for row in skipped[:_MAX_LOGGED_SKIPS]:
+        logger.warning("%s:%d: skipped malformed row: %s", path, row.line, row.reason)
     if len(skipped) > _MAX_LOGGED_SKIPS:
         logger.warning("%s: %d malformed rows skipped in all (first %d shown)", path, len(skipped), _MAX_LOGGED_SKIPS)
-    if not examples:
-        raise ValueError(f"{path}: no valid rows ({len(skipped)} malformed)")
     logger.info("loaded %d examples from %s (%d malformed rows skipped)", len(examples), path, len(skipped))
     return MathDataset(name=source, path=str(path), examples=examples, skipped=skipped)
+
+
+def no_valid_rows(path: Path, skipped: list[SkippedRow]) -> str:
+    """The one line for a file none of whose rows could be read: the commonest reason and the shapes that are."""
+    if not skipped:
+        return f"{path}: no rows"
+    reasons = Counter(row.reason for row in skipped)
+    reason, count = reasons.most_common(1)[0]
+    share = "every row" if count == len(skipped) else f"{count} of {len(skipped)} rows"
+    return (f"{path}: no valid rows ({share}: {reason}); a row needs 'problem' and 'answer' (GSM8K-, MATH- and "
+            f"verl-shaped rows are read as such; docs/own-data.md shows the shapes and `dynamo data prepare`)")
 
 
 #: The name the trainer, evaluation and tests have always called; it reads parquet too.

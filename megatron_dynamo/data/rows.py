@@ -3,7 +3,9 @@
 The flat shape: ``id`` (string or integer), ``problem`` (non-empty string), ``answer`` (non-empty string; a JSON
 number is accepted and converted), optional ``data_source`` (string), optional ``answer_candidates`` (list of
 strings); every other field is kept in ``extras``. verl's layout (``prompt``: list of chat messages,
-``reward_model.ground_truth``, ``data_source``, ``extra_info.index``) is read as described in :func:`from_verl_row`.
+``reward_model.ground_truth``, ``data_source``, ``extra_info.index``) is read as described in :func:`from_verl_row`,
+and two common shapes of one's own files are read as such (:func:`from_common_shape`): GSM8K's (``question``, an
+``answer`` ending in ``#### 29``) and MATH's (``problem``, a ``solution`` with ``\\boxed{...}``).
 :func:`validate_row` is the one rule the loader (``data/dataset.py``) and ``dynamo data prepare`` (``data/hub.py``)
 both apply.
 """
@@ -11,6 +13,7 @@ both apply.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -83,14 +86,62 @@ def from_verl_row(row: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     return fields, ""
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``) in ``text``, braces
+    balanced; None when there is none or it is empty or unclosed."""
+    if not isinstance(text, str):
+        return None
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    rest = text[start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox")):]
+    if rest.startswith(" "):  # "\boxed 5$"
+        return rest[1:].split("$")[0].strip() or None
+    if not rest.startswith("{"):
+        return None
+    depth = 0
+    for index, char in enumerate(rest):
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return rest[1:index].strip() or None
+    return None
+
+
+def gsm8k_final_answer(solution: Any) -> str | None:
+    """The final answer of a GSM8K solution: the text after its last ``####``, digit-group commas removed."""
+    if not isinstance(solution, str) or "####" not in solution:
+        return None
+    return re.sub(r"(?<=\d),(?=\d{3}\b)", "", solution.split("####")[-1].strip()) or None
+
+
+def from_common_shape(row: dict[str, Any]) -> dict[str, Any]:
+    """A GSM8K-shaped row (``question``, ``answer`` ending in ``#### N``) or a MATH-shaped row (``problem``,
+    ``solution`` with a ``\\boxed{}`` answer and no ``answer``) in the flat shape, the worked solution kept as
+    ``solution``; any other row as it is."""
+    if "problem" not in row and isinstance(row.get("question"), str):
+        final = gsm8k_final_answer(row.get("answer"))
+        rest = {k: v for k, v in row.items() if k != "question"}
+        if final is not None:
+            rest.update(answer=final, solution=row["answer"])
+        return {"problem": row["question"], **rest}
+    if "answer" not in row and isinstance(row.get("problem"), str) and last_boxed(row.get("solution")):
+        return {**row, "answer": last_boxed(row["solution"])}
+    return row
+
+
 def validate_row(row: Any) -> tuple[dict[str, Any] | None, str]:
-    """Return ``(cleaned fields, "")`` or ``(None, why the row is malformed)``; verl rows are read as such."""
+    """Return ``(cleaned fields, "")`` or ``(None, why the row is malformed)``; verl rows and the common shapes of
+    :func:`from_common_shape` are read as such."""
     if not isinstance(row, dict):
         return None, f"expected a JSON object, got {type(row).__name__}"
     if is_verl_row(row):
         row, why = from_verl_row(row)
         if row is None:
             return None, why
+    row = from_common_shape(row)
     problem = row.get("problem")
     if not isinstance(problem, str):
         return None, "missing 'problem'" if problem is None else f"'problem' is {type(problem).__name__}, not a string"

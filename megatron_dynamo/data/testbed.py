@@ -18,8 +18,8 @@ leaves the choice open; RL may then prefer some orders (the entropy trajectory s
 Difficulty is the number of terms (:data:`LENGTHS`, 4..8; 3 to 7 lines). The warm-up sees only
 :data:`WARMUP_LENGTHS` (4..6 terms), so the longest unseen sums are (nearly) never solved: prompts with pass rate
 0 at n samples give the dynamic allocation rollouts to move. Measured after the recipe's 250-step warm-up
-(``benchmarks/bench_mechanisms.py``, RESULTS.md): 31.5% never solved in 16 samples, none always solved (a longer
-warm-up is meant to add the always-solved side).
+(``benchmarks/bench_mechanisms.py``, docs/results/testbed.md): 31.5% never solved in 16 samples, none always solved
+(a longer warm-up is meant to add the always-solved side).
 
 Splits: a problem is held out when the first byte of the SHA-256 of its **sorted** terms is below
 :data:`TEST_BUCKET` (about a tenth), so a reordering of a held-out multiset is held out too and the splits are

@@ -169,12 +169,19 @@ def render(task, executor, name: str, base_dir: str | os.PathLike) -> Rendered:
     import shlex
 
     run = _nemo_run()
+    from nemo_run.core.frontend.console.api import CONSOLE
 
-    with run.Experiment(name, executor=executor, base_dir=str(base_dir), log_level="WARNING",
-                        clean_mode=True) as exp:
-        exp.add(task, name=name)
-        exp.dryrun(log=False, delete_exp_dir=False)
-        job = exp.jobs[0]
+    # nemo-run notes "Detected Torchrun launcher, setting ntasks_per_node=1 ..." while it lays out the job: its own
+    # bookkeeping, printed in the middle of the dry run's script.
+    quiet, CONSOLE.quiet = CONSOLE.quiet, True
+    try:
+        with run.Experiment(name, executor=executor, base_dir=str(base_dir), log_level="WARNING",
+                            clean_mode=True) as exp:
+            exp.add(task, name=name)
+            exp.dryrun(log=False, delete_exp_dir=False)
+            job = exp.jobs[0]
+    finally:
+        CONSOLE.quiet = quiet
     role = job._executable.roles[0]
     macros = job.executor.macro_values()
     if macros is not None:

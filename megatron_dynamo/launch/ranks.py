@@ -50,12 +50,13 @@ def train_on_rank(rank, world_size, run, resume):
     from megatron_dynamo.parallel.stop_signals import stop_on_signals
     from megatron_dynamo.trainer.trainer import Trainer
 
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    from megatron_dynamo import library_logs
+
+    library_logs.progress_and_errors(logging.INFO if rank == 0 else logging.WARNING)
     if not run.logging.verbose:
         # Megatron logs every parameter name and its optimizer config at INFO: keep our progress line readable.
         for noisy in ("megatron", "megatron.core", "vllm"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        from megatron_dynamo import library_logs
 
         library_logs.install()  # a spawned rank (--nproc) starts without the launcher's filters (library_logs.WARNINGS)
     with stop_on_signals("dynamo train: {signal} received: stopping after the current step (SIGINT or SIGTERM "

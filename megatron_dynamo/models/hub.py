@@ -7,8 +7,9 @@ An existing local path always wins; a string that is not one and is a well-forme
 ``huggingface_hub.snapshot_download`` in the Hugging Face cache (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
 ``~/.cache/huggingface/hub``), downloading only what training and evaluation read (:data:`ALLOW_PATTERNS`: config,
 generation config, tokenizer files, ``*.safetensors`` and their index). With ``HF_HUB_OFFLINE=1``, or
-``local_only=True``, the cache is read and the hub is never contacted. Anything else (a missing path that is no id)
-is returned unchanged, for the caller's own "no such directory" error.
+``local_only=True``, the cache is read and the hub is never contacted. A missing path is a :class:`HubModelError`
+"no such directory" naming the nearest existing one, also when it is spelled like an id but reads as a path: its
+first part is a local directory or one of the folders runs write (``outputs/cpu_defualt``, ``outputs/run``).
 
 The environment is read at each call (not when ``huggingface_hub`` was imported), and each (id, purpose, cache) is
 resolved once per process. Errors are :class:`HubModelError` with a one-line message naming the id, the cache
@@ -17,6 +18,7 @@ searched and how to fill it.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -34,6 +36,8 @@ ALLOW_PATTERNS: dict[str, tuple[str, ...]] = {
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
 _HUB_ID = re.compile(rf"{_NAME}/{_NAME}")
 _TRUE = {"1", "ON", "YES", "TRUE"}
+#: The folders runs and tools write, which no hub organisation is taken to be: ``outputs/x`` is a path.
+_LOCAL_ROOTS = ("outputs", "checkpoints", "runs", "data")
 _RESOLVED: dict[tuple[str, str, str], Path] = {}
 
 
@@ -47,9 +51,29 @@ def is_hub_id(text: str) -> bool:
 
 
 def is_hub_reference(name_or_path: str | os.PathLike) -> bool:
-    """True when ``name_or_path`` will be looked up on the hub: a well-formed id that is no existing local path."""
+    """True when ``name_or_path`` will be looked up on the hub: a well-formed id that is no existing local path and
+    does not read as one (its first part a local directory or one of :data:`_LOCAL_ROOTS`)."""
     text = os.fspath(name_or_path)
-    return is_hub_id(text) and not Path(text).expanduser().exists()
+    first = text.split("/", 1)[0]
+    looks_local = first in _LOCAL_ROOTS or Path(first).expanduser().is_dir()
+    return is_hub_id(text) and not Path(text).expanduser().exists() and not looks_local
+
+
+def missing_directory(name_or_path: str | os.PathLike) -> str:
+    """``"PATH: no such directory"`` with the nearest existing one: a close name where the path parts ways with
+    what exists (``outputs/cpu_defualt`` -> ``outputs/cpu_default``), else the deepest existing parent."""
+    path = Path(os.fspath(name_or_path)).expanduser()
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.exists():
+        return f"{path}: no such directory"
+    below = path.relative_to(parent).parts[0] if path != parent else ""
+    names = sorted(p.name for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+    close = difflib.get_close_matches(below, names, n=1, cutoff=0.6)
+    if close:
+        return f"{path}: no such directory (did you mean {parent / close[0]}?)"
+    return f"{path}: no such directory; the nearest existing one is {str(parent).rstrip(os.sep)}{os.sep}"
 
 
 def hub_cache_dir() -> Path:
@@ -77,6 +101,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike, purpose: str, *, local_on
         raise ValueError(f"purpose must be one of {tuple(ALLOW_PATTERNS)}, got {purpose!r}")
     text = os.fspath(name_or_path)
     if not is_hub_reference(text):
+        if not Path(text).expanduser().exists():
+            raise HubModelError(missing_directory(text))
         return Path(text).expanduser()
     cache = hub_cache_dir()
     for done in ((text, purpose, str(cache)), (text, "checkpoint", str(cache))):  # a checkpoint holds a tokenizer

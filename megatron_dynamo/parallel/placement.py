@@ -92,17 +92,18 @@ def check_placement_settings(placement: str, engine_ranks: int, max_staleness: i
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     if placement == "colocated":
         if max_staleness:
-            raise ValueError(f"max_staleness: {max_staleness} needs placement: separate (colocated engines share the "
-                             "training ranks and sleep while they update: nothing can overlap)")
+            raise ValueError(f"max_staleness must be 0 with placement colocated (its engines share the training ranks "
+                             f"and sleep while they update: nothing can overlap), got {max_staleness}; set placement: "
+                             "separate and engine_ranks")
         if engine_ranks:
-            raise ValueError(f"engine_ranks: {engine_ranks} needs placement: separate (colocated: every rank hosts "
-                             "an engine worker)")
+            raise ValueError(f"engine_ranks must be 0 with placement colocated (every rank hosts an engine worker), "
+                             f"got {engine_ranks}; set placement: separate")
     elif engine_ranks < 1:
-        raise ValueError(f"placement: separate needs engine_ranks >= 1 (the ranks that only generate), got "
+        raise ValueError(f"engine_ranks must be >= 1 with placement separate (the ranks that only generate), got "
                          f"{engine_ranks}")
     elif engine_ranks % tensor_parallel:
-        raise ValueError(f"engine_ranks={engine_ranks} is not a multiple of tensor_parallel={tensor_parallel} (engines "
-                         "are groups of tensor_parallel engine ranks)")
+        raise ValueError(f"engine_ranks must be a multiple of tensor_parallel ({tensor_parallel}: engines are groups of "
+                         f"tensor_parallel engine ranks), got {engine_ranks}")
 
 
 #: The job rank of this process's role-world rank 0 (the first engine rank on engine ranks, else 0).

@@ -36,9 +36,15 @@ for _pattern in (".*Apex is not installed.*", ".*Transformer Engine and Apex are
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The model-parallel layout. The data-parallel size is what is left: world_size / (tp * pp * cp).
-    ``sequence_parallel`` splits the activations outside the tensor-parallel regions over the TP ranks (needs
-    TP > 1). ``context_parallel`` must stay 1 for now (refused with an error)."""
+    """The model-parallel layout. The data-parallel size is what is left: world size / (tp * pp * cp).
+
+    Keys:
+        tensor_parallel {>= 1}: ranks that split each layer (Megatron's TP).
+        pipeline_parallel {>= 1}: ranks that split the layers into stages (PP).
+        virtual_pipeline_parallel {>= 1}: model chunks per pipeline stage (interleaved schedule); null: one.
+        context_parallel {1}: must stay 1: sequences are not split over context-parallel ranks yet.
+        sequence_parallel: split the activations outside the tensor-parallel regions over the TP ranks (needs TP > 1).
+    """
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1

@@ -8,7 +8,8 @@ pi = softmax(z / T) over the *whole* vocabulary (T = sampling temperature):
 * ``sum_pi2_lambda`` = sum_j pi_j^2 Lambda_j, with Lambda_j = log pi_j + H   (no gradient)
 
 The last one is the vocabulary sum of the exact first-order entropy change (Theorem 1 of the paper, see
-``shared/notes/DYNAMO.md``): a policy-gradient step that moves the logits by eta * xi_t * (e_a - pi) changes H by
+``docs/algorithm.md``, "The entropy change, exactly"): a policy-gradient step that moves the logits by
+eta * xi_t * (e_a - pi) changes H by
     Delta H_t ~= -eta * xi_t * (pi_a Lambda_a - sum_j pi_j^2 Lambda_j)
 (``algorithms.modulation.delta_h_exact`` forms it from these three statistics).
 

@@ -1,5 +1,5 @@
 """The paper's numbers that ``dynamo ablate`` prints beside its own: Table 1 and Table 2 of the DynaMO paper,
-transcribed by hand from the paper's text (``shared/seeds/dynamo_paper.txt``; pass@k in %, AIME24, AIME25, AMC23,
+transcribed by hand from the paper (``docs/algorithm.md``, "The paper's tables"; pass@k in %, AIME24, AIME25, AMC23,
 MATH500, Minerva, Olympiad, then the paper's Avg.). Keyed by the variant names of ``dynamo ablate``.
 
 A reference for the direction and size of the effects only: the paper trains Qwen2.5-Math-1.5B / 7B on DAPO-Math-17k

@@ -26,7 +26,17 @@ __all__ = ["LossFn", "MegatronActor", "MegatronModel", "MicroBatch", "ModelOutpu
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW through Megatron's optimizer (paper, Table 3: lr 1e-6, weight decay 0.01, grad clip 1.0)."""
+    """AdamW through Megatron's optimizer (paper, Table 3: lr 1e-6, weight decay 0.01, gradient clip 1.0).
+
+    Keys:
+        lr {> 0}: the RL learning rate.
+        weight_decay {>= 0}: AdamW's decoupled weight decay.
+        adam_beta1 {[0, 1)}: Adam's first-moment decay.
+        adam_beta2 {[0, 1)}: Adam's second-moment decay.
+        adam_eps: Adam's epsilon.
+        clip_grad {>= 0}: the largest gradient norm; 0: no clipping.
+        use_distributed_optimizer: shard the optimizer state over the data-parallel ranks (Megatron's).
+    """
 
     lr: float = 1e-6
     weight_decay: float = 0.01
@@ -41,8 +51,9 @@ class OptimConfig:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise ValueError("optim.adam_beta1/adam_beta2 must be in [0, 1)")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must lie in [0, 1), got {getattr(self, name)}")
         if self.clip_grad < 0:
             raise ValueError(f"optim.clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
 

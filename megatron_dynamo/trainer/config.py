@@ -15,18 +15,25 @@ from megatron_dynamo.algorithms.config import AllocationConfig, ModulationConfig
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml, validate_tree
 from megatron_dynamo.parallel.runtime import ParallelConfig
 from megatron_dynamo.trainer.actor import OptimConfig
+from megatron_dynamo.trainer.config_outputs import CheckpointConfig, EvaluationConfig, LoggingConfig
 
 DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The policy. ``checkpoint`` an HF model directory (safetensors), a hub id (``Qwen/Qwen2.5-Math-1.5B``, see
-    ``models/hub.py``) or a Megatron checkpoint written by ``checkpoints_convert`` or a training run to start from
-    (random initialisation when None); ``config`` an HF config.json (file or directory) giving the architecture,
-    taken from the checkpoint when None (its config.json, a Megatron checkpoint's hf/config.json): one of the two is
-    needed; ``tokenizer`` a tokenizer directory, a hub id, or "char" for the offline character tokenizer of the
-    synthetic task."""
+    """The policy: its architecture, its weights and its tokenizer. One of ``config`` and ``checkpoint`` is needed.
+
+    Keys:
+        config: an HF config.json (file or directory) giving the architecture; null: the checkpoint's own
+            (a Megatron checkpoint's ``hf/config.json``).
+        checkpoint: the weights to start from: an HF model directory (safetensors), a hub id such as
+            ``Qwen/Qwen2.5-Math-1.5B`` (``models/hub.py``), or a Megatron checkpoint written by ``checkpoints_convert``
+            or a training run; null: random weights.
+        tokenizer: a tokenizer directory, a hub id, or ``char``, the offline character tokenizer of the generated
+            CPU tasks.
+        dtype: the training precision.
+    """
 
     config: str | None = None
     checkpoint: str | None = None
@@ -56,17 +63,26 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training prompts: ``train`` is a dataset name (e.g. dapo_math_17k), a JSONL or parquet path (verl's RL
-    parquet layout too), or a generated task of ``synthetic_problems`` problems: "synthetic" (the seeded
-    arithmetic of the CPU default) or "reasoning" (running sums written out, the ablation testbed's task; its
-    held-out split is the benchmark ``reasoning_test``). ``data_dir`` holds local files (``dynamo data prepare
-    NAME --out DIR`` writes them). ``sft_problems``: the supervised warm-up's own problems, drawn from the same
-    generated task with seed ``seed + 1`` (so the warm-up teaches the task, not the answers of the RL prompts);
-    0: the warm-up trains on the RL prompts.
-    ``prompts_per_step`` is the generation batch (paper: 512). ``template`` is the prompt template.
-    ``prompt_overflow``: what happens to prompts longer than ``max_prompt_tokens`` (``truncate_left``, the paper's;
-    ``drop``; ``refuse``), checked before the run starts: more than ``max_overflow_share`` of the training prompts
-    cut or dropped stops it (see ``data/prompt_length.py``)."""
+    """Training prompts (paper: 512 a step from DAPO-Math-17k). Dataset names are looked up in ``data_dir``, else
+    ``$MEGATRON_DYNAMO_DATA_DIR``, else ``data/``, where ``dynamo data prepare`` writes.
+
+    Keys:
+        train: a dataset name (``dynamo data list``), a JSONL or parquet file (verl's RL layout too), or a generated
+            task: ``synthetic`` (the CPU default's arithmetic), ``reasoning`` (the ablation testbed's running sums;
+            held-out benchmark ``reasoning_test``) or ``testbed`` (the mechanism testbed; ``testbed_test``).
+        data_dir: the directory of local dataset files (``dynamo data prepare NAME --out DIR`` writes them).
+        synthetic_problems {>= 1}: the number of problems of a generated task.
+        sft_problems {>= 0}: the supervised warm-up's own problems, drawn from the same generated task with seed
+            ``seed + 1`` (it teaches the task, not the answers of the RL prompts); 0: it trains on the RL prompts.
+        prompts_per_step {>= 1}: prompts a step (the generation batch); a multiple of ``trainer.mini_batch_prompts``.
+        template: the prompt template (``data/templates.py``).
+        max_prompt_tokens {>= 1}: the longest prompt, in tokens, before ``prompt_overflow`` applies.
+        prompt_overflow: what happens to a longer prompt: cut from the left (the paper's), dropped, or the run refused;
+            checked before the run starts (``data/prompt_length.py``).
+        max_overflow_share {[0, 1]}: the largest share of training prompts that may be cut or dropped; more stops
+            the run.
+        seed: the seed of the prompt order and of the generated tasks.
+    """
 
     train: str = "dapo_math_17k"
     data_dir: str | None = None
@@ -85,6 +101,10 @@ class DataConfig:
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
+        from megatron_dynamo.data.templates import list_templates
+
+        if self.template not in list_templates():
+            raise ValueError(f"template must be one of {list_templates()}, got {self.template!r}")
 
         if self.prompt_overflow not in PROMPT_OVERFLOW:
             raise ValueError(f"prompt_overflow must be one of {PROMPT_OVERFLOW}, got {self.prompt_overflow!r}")
@@ -103,25 +123,33 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Generation (paper: vLLM, TP=2, temperature 1.0, top-p 1.0, max response 8192).
+    """Generation (paper: vLLM, TP=2, temperature 1.0, top-p 1.0, responses of up to 8192 tokens). Every rank hosts a
+    vLLM worker; ``tensor_parallel`` consecutive ranks form one engine, so a job runs world / tensor_parallel engines.
 
-    Every rank hosts a vLLM worker; ``tensor_parallel`` consecutive ranks form one engine (it must divide the world
-    size), so a job runs world / tensor_parallel engines. ``gpu_memory_utilization``: the fraction of each GPU vLLM
-    may take while it generates (weights + KV cache; Megatron's state lives in the rest, or on the host with
-    ``offload_training_state``). ``sleep_during_training``: free vLLM's GPU memory between rollouts (vLLM sleep mode
-    ``sleep_level`` 2: weights discarded, since every step reloads them; 1: offloaded to host).
-    ``offload_training_state``: move Megatron's parameters, gradients and optimizer state to host memory while vLLM
-    generates (GPU; for the large recipes). ``emulate_sleep`` (tests; CPU only): the CPU engine behaves as CUDA vLLM
-    does in sleep mode: ``sleep_level`` 1 keeps the weights and drops the KV cache, 2 poisons the weights (NaN) until
-    the next weight update, so a wake-up alone restores nothing (``rollout/vllm_engine.py``).
-
-    ``placement``: ``colocated`` (every rank trains and hosts a vLLM worker; the stages of a step run in turn) or
-    ``separate`` (the last ``engine_ranks`` ranks of the job only generate and score, the others only train; on a
-    cluster, whole nodes). ``max_staleness`` (K, ``separate`` only): the engines generate the next batches with
-    weights up to K updates old while the trainer updates on the current one; 0 is on-policy (docs/rollout.md,
-    ``trainer/overlap.py``). ``cpu_kvcache_gb``: the CPU engine's KV cache in GiB; null (default): what a step
-    needs, from the model's layers and KV heads, the engine's max_model_len and the step's rollout budget, at least
-    64 MiB (``rollout/kv_cache.py``)."""
+    Keys:
+        engine: the rollout engine (``rollout/interface.py`` registers them).
+        tensor_parallel {>= 1}: ranks per vLLM engine; must divide the number of ranks.
+        gpu_memory_utilization {(0, 1]}: the share of each GPU that vLLM may take while it generates (weights and
+            KV cache); Megatron's state lives in the rest, or on the host with ``offload_training_state``.
+        temperature {> 0}: the sampling temperature (log-probabilities and entropies use the same one).
+        top_p {(0, 1]}: nucleus sampling's probability mass.
+        max_response_tokens {>= 1}: the longest response, in tokens.
+        sleep_during_training: free vLLM's GPU memory between rollouts (vLLM's sleep mode).
+        sleep_level: 2: the weights are dropped while asleep (every step reloads them); 1: offloaded to the host.
+        offload_training_state: move Megatron's parameters, gradients and optimizer state to host memory while vLLM
+            generates (GPU; for the large recipes).
+        emulate_sleep: tests, CPU only: the CPU engine sleeps as CUDA vLLM does (level 1 keeps the weights and drops
+            the KV cache, level 2 poisons the weights until the next weight update).
+        placement: colocated: every rank trains and hosts a vLLM worker, the stages of a step
+            run in turn; separate: the last ``engine_ranks`` ranks only generate and score, the others only train
+            (on a cluster, whole nodes), generation overlapping the update (docs/rollout.md).
+        engine_ranks {>= 0}: with ``placement: separate``, the ranks that only generate (>= 1, a multiple of
+            ``tensor_parallel``); 0 when colocated.
+        max_staleness {>= 0}: with ``placement: separate``, K: batch b is generated by the weights of step
+            max(0, b - 1 - K), so the engines generate while the trainer updates; 0 is on-policy.
+        cpu_kvcache_gb {> 0}: the CPU engine's KV cache in GiB; null (the default): what a step needs, from the model's
+            layers and KV heads, the engine's max_model_len and the step's rollout budget, at least 64 MiB.
+    """
 
     engine: str = "vllm"
     tensor_parallel: int = 2
@@ -164,8 +192,14 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class DynamoConfig:
-    """DynaMO's parts: dynamic rollout allocation (sequence level), advantage modulation (token level), the
-    policy loss, and the group advantage estimator. ``algo: grpo`` switches allocation and modulation off."""
+    """DynaMO's parts (``docs/algorithm.md``): rollout allocation, advantage modulation, the policy loss and the group
+    advantage estimator. ``--algo grpo`` switches allocation and modulation off.
+
+    Keys:
+        advantage_estimator: how rewards become advantages (``algorithms/advantages.py`` registers them).
+        normalize_advantage_std: divide by the group's standard deviation (GRPO); false: centre only.
+        token_stats_chunk {>= 1}: tokens per chunk of the vocab-parallel log-prob / entropy routine; null: automatic.
+    """
 
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     modulation: ModulationConfig = field(default_factory=ModulationConfig)
@@ -202,15 +236,33 @@ PACK_SEQUENCES = ("auto", True, False)
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The loop. ``mini_batch_prompts`` prompts (with all their responses) make one optimizer step (paper: PPO
-    mini-batch 32 of a generation batch of 512); ``micro_batch_size`` sequences go through the model at once;
-    ``ppo_epochs`` passes over the rollout. ``sft_warmup_steps`` supervised steps on the reference answers (a
-    task's worked solution where it has one) come first, ``sft_batch_size`` sequences each (used by the synthetic
-    CPU tasks so that rewards are not all 0); ``steps: 0`` runs only that warm-up and saves it as checkpoint step 0
-    (``dynamo ablate`` starts every variant of a seed from it). ``warmup_steps`` is the learning-rate warm-up
-    (paper: 10). ``old_logprob_pass``: ``auto`` leaves the old-log-prob forward out where the update's own forward
-    gives the same numbers (one mini-batch, one epoch, no modulation or mini-batch token selection:
-    ``trainer/old_logprobs.py``); ``always`` runs it every step."""
+    """The training loop (paper: PPO mini-batches of 32 prompts out of 512 a step, 10 warm-up steps).
+
+    Keys:
+        steps {>= 0}: RL steps; 0 runs only the supervised warm-up and saves it as checkpoint step 0 (``dynamo ablate``
+            starts every variant of a seed from it).
+        mini_batch_prompts {>= 1}: prompts (with all their responses) a PPO mini-batch, i.e. an optimizer step.
+        micro_batch_size {>= 1}: sequences that go through the model at once (when ``micro_batch_tokens`` is 0).
+        ppo_epochs {>= 1}: passes over a step's responses.
+        warmup_steps {>= 0}: the learning rate's linear warm-up, in optimizer steps.
+        micro_batch_tokens {>= 0}: 0: ``micro_batch_size`` sequences a micro-batch; > 0: micro-batches of at most
+            that many tokens, the samples balanced over the data-parallel ranks by tokens.
+        pack_sequences: ``auto``: packed without padding on the Transformer Engine spec, padded on the local spec
+            (where packing means full attention under a block-diagonal mask, slower on CPU); true: packed on both;
+            false: padded. The layout changes neither the loss nor the gradients.
+        fused_output_layer: compute log-probs, entropy and Delta H inside the output layer, chunk by chunk, without
+            the full logits (``docs/update.md``); false: the unfused layer, for comparison.
+        sft_warmup_steps {>= 0}: supervised steps on worked solutions or reference answers before RL (the generated CPU
+            tasks use it so that rewards are not all 0).
+        sft_batch_size {>= 1}: sequences a supervised warm-up step.
+        sft_lr: the supervised warm-up's learning rate.
+        seed: the seed of sampling, initialisation and the baselines' token selection.
+        old_logprob_pass: auto leaves the old-log-prob forward out where the update's own forward
+            gives the same numbers (one mini-batch, one epoch, no modulation or mini-batch token selection:
+            ``trainer/old_logprobs.py``); always runs it every step.
+        output_dir: where metrics, checkpoints and plots go; a new run needs a new one (give each ``--algo`` its
+            own: ``trainer.output_dir=outputs/cpu_default-grpo``).
+    """
 
     steps: int = 100
     mini_batch_prompts: int = 32
@@ -240,87 +292,6 @@ class TrainerConfig:
 
         if self.old_logprob_pass not in OLD_LOGPROB_PASSES:
             raise ValueError(f"old_logprob_pass must be one of {OLD_LOGPROB_PASSES}, got {self.old_logprob_pass!r}")
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Checkpoints every ``every`` steps and at the end, keeping the last ``keep_last``, under
-    ``<output_dir>/checkpoints`` (or ``dir``); ``export_hf`` also writes the final model in HF format to
-    ``<output_dir>/hf`` with the checkpoint converter."""
-
-    every: int = 50
-    keep_last: int = 2
-    dir: str | None = None
-    export_hf: bool = False
-
-    def validate(self) -> None:
-        if self.every < 1 or self.keep_last < 1:
-            raise ValueError("every and keep_last must be >= 1")
-
-
-@dataclass(frozen=True)
-class EvaluationConfig:
-    """Benchmark evaluation during training (off while ``every`` is 0): after every ``every``-th step and the
-    last one (and before the first with ``at_start``), rank 0 samples ``n`` responses per problem of
-    ``benchmarks`` with the rollout engine, which holds the weights just trained, and logs
-    ``eval/<benchmark>/pass@k`` and ``eval/avg/pass@k`` with that step's metrics; the samples go to
-    ``<output_dir>/eval/step_<N>/``. Sampling defaults to the rollout's (``null``); prompts use
-    ``data.template``. Keep it small (a subset, ``limit``): the other ranks wait for it in the next step's first
-    collective, within the process-group timeout (30 minutes)."""
-
-    every: int = 0
-    at_start: bool = False
-    benchmarks: tuple[str, ...] = ("aime24", "amc23", "math500")
-    n: int = 4
-    k: tuple[int, ...] = (4,)
-    limit: int | None = None
-    data_dir: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    answer_candidates: bool = True
-
-    def validate(self) -> None:
-        if self.every < 0:
-            raise ValueError(f"every must be >= 0 (0: off), got {self.every}")
-
-
-WANDB_MODES = ("disabled", "online", "offline")
-
-
-@dataclass(frozen=True)
-class WandbConfig:
-    """Weights & Biases, next to TensorBoard and ``metrics.jsonl`` (rank 0; the same metric names and steps; the
-    run's ``config.json`` as the W&B config). ``mode``: ``disabled`` (default), ``online`` or ``offline`` (files
-    under ``<dir>/wandb``, ``wandb sync`` uploads them later); anything else needs ``pip install -e ".[wandb]"``.
-    ``name``: the W&B run name (default: the output directory's name); ``dir`` default: the output directory. A
-    resumed run (``--resume``) continues the same W&B run."""
-
-    project: str = "megatron_dynamo"
-    name: str | None = None
-    mode: str = "disabled"
-    dir: str | None = None
-
-    def validate(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ValueError(f"mode must be one of {WANDB_MODES}, got {self.mode!r}")
-
-
-@dataclass(frozen=True)
-class LoggingConfig:
-    """Metrics go to ``<output_dir>/metrics.jsonl`` (every key: ``docs/metrics.md``), TensorBoard
-    (``tensorboard``), W&B (``wandb``) and, with ``progress``, the console: one summary line per step with the ETA
-    (and a progress bar on a terminal); ``plot`` writes ``reward_curve.png`` next to the metrics at the end.
-    ``verbose``: the libraries' own logs and warnings too (Megatron, vLLM); off, the console shows the run's lines
-    only (see ``megatron_dynamo/library_logs.py`` for what is left out and why). ``rollouts``: also write every
-    response of every step to ``<output_dir>/rollouts.jsonl`` (prompt id, sample index, token ids, text, reward)."""
-
-    tensorboard: bool = True
-    progress: bool = True
-    plot: bool = True
-    verbose: bool = False
-    rollouts: bool = False
-    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass(frozen=True)

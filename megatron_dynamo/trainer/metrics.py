@@ -21,7 +21,7 @@ class MetricsLogger:
     """``resume_from``: the step of the checkpoint a resumed run continues from. Rows of later steps (logged
     before the crash, and about to be logged again) are dropped from ``metrics.jsonl`` and from TensorBoard, so
     every step appears once. None: a new run (the file is started afresh). ``wandb``: a
-    :class:`~megatron_dynamo.trainer.config.WandbConfig` (mode other than disabled: a W&B run logs the same names
+    :class:`~megatron_dynamo.trainer.config_outputs.WandbConfig` (mode other than disabled: a W&B run logs the same names
     and steps, with ``run_config`` as its config); ``verbose``: W&B's own console lines too."""
 
     def __init__(self, output_dir: str, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
@@ -121,8 +121,8 @@ class StepProgress:
     the steps this process ran after its first, times the steps left; ``--:--`` after the first step, whose time
     is mostly one-time start-up: vLLM's first generation compiles, 13.5 s of the CPU default's 14 s first step
     against 0.8 s for the next ones, so an ETA from it said 14 minutes for a 50-s run), on stdout; on a terminal, also a tqdm bar of steps (with its
-    own rate and ETA) on stderr under the lines, gone when the run ends. Log records written while the bar is shown
-    go through tqdm, so they do not tear it. ``bar``: force the bar on or off (default: when stderr is a
+    own rate and ETA) on stderr under the lines, gone when the run ends. Log records go through tqdm
+    (``library_logs.progress_and_errors``), so they do not tear it. ``bar``: force the bar on or off (default: when stderr is a
     terminal)."""
 
     def __init__(self, total_steps: int, done_steps: int = 0, bar: bool | None = None):
@@ -136,12 +136,6 @@ class StepProgress:
         show = sys.stderr.isatty() if bar is None else bar
         self._bar = tqdm(total=total_steps, initial=done_steps, unit="step", desc="train", leave=False,
                          dynamic_ncols=True, file=sys.stderr, disable=not show)
-        self._redirect = None
-        if show:
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
-            self._redirect = logging_redirect_tqdm()
-            self._redirect.__enter__()
 
     def update(self, record: dict[str, Any]) -> str:
         step, eta = record["step"], None
@@ -162,9 +156,6 @@ class StepProgress:
         return line
 
     def close(self) -> None:
-        if self._redirect is not None:
-            self._redirect.__exit__(None, None, None)
-            self._redirect = None
         self._bar.close()
 
 

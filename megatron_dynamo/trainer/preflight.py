@@ -48,7 +48,7 @@ def resolve_run_models(run: RunConfig, local_only: bool | None = None) -> RunCon
     resolved = {}
     for key, purpose in (("checkpoint", "checkpoint"), ("tokenizer", "tokenizer")):
         value = getattr(run.model, key)
-        if value is not None and value != "char" and is_hub_reference(value):
+        if value is not None and value != "char" and (is_hub_reference(value) or not Path(value).expanduser().exists()):
             try:
                 resolved[key] = str(resolve_model_dir(value, purpose, local_only=local_only))
             except HubModelError as exc:
@@ -94,8 +94,9 @@ def _check_output_dir(run: RunConfig, resume: bool) -> None:
         raise ConfigError(f"trainer.output_dir: {output} exists and is not a directory")
     root = Path(run.checkpoint.dir).expanduser() if run.checkpoint.dir else output / "checkpoints"
     if not resume and root.is_dir() and list_checkpoints(root):
-        raise ConfigError(f"{root} already holds checkpoints of an earlier run: pass --resume to continue it, or "
-                          "choose another trainer.output_dir (nothing was written)")
+        raise ConfigError(f"trainer.output_dir: {root} already holds checkpoints of an earlier run (nothing was "
+                          f"written); pass --resume to continue it, or give this run its own directory, e.g. "
+                          f"trainer.output_dir={output}-grpo for an --algo grpo run beside it")
 
 
 def _tokenizer(run: RunConfig):

@@ -1,4 +1,4 @@
-"""One DynaMO step's update, stage by stage, each timed (the algorithm: docs/algorithm.md):
+"""One DynaMO step's update, stage by stage, each timed (``docs/algorithm.md``, "One training step"):
 
     [rollout stages: data -> allocation -> rollout -> reward -> exchange -> history]   (trainer/rollout_producer.py)
     -> advantages -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
