@@ -30,6 +30,23 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names the dotted key."""
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true/false. YAML 1.1 also reads on/off/yes/no as
+    booleans, which turned ``dynamo.loss.engine_is=off`` (a choice named "off") into False."""
+
+
+_Loader.yaml_implicit_resolvers = {key: [(tag, regexp) for tag, regexp in resolvers
+                                         if tag != "tag:yaml.org,2002:bool"]
+                                   for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def parse_yaml(text) -> Any:
+    """YAML (a recipe's text or stream, an override's value) with YAML 1.2's booleans (:class:`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -133,7 +150,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
         if not path:
             raise ConfigError(f"override '{item}' has an empty key")
         try:
-            parsed = yaml.safe_load(raw) if raw.strip() else ""
+            parsed = parse_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(exc)}); quote it, "
                               f"e.g. {path}='\"...\"'") from None
@@ -176,7 +193,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: no such file; {there}")
     with open(path, encoding="utf-8") as f:
         try:
-            data = yaml.safe_load(f) or {}
+            data = parse_yaml(f) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(_yaml_problem(exc, path)) from None
     if not isinstance(data, dict):

@@ -77,3 +77,14 @@ def test_every_validation_message_has_one_form():
     with pytest.raises(ConfigError) as info:
         load_run_config("configs/nope.yaml")  # was a raw "[Errno 2] No such file or directory: 'configs/nope.yaml'"
     assert str(info.value).startswith("configs/nope.yaml: no such file; the recipes in configs/: cpu_default.yaml, ")
+
+
+def test_off_and_on_are_strings_as_in_yaml_1_2():
+    """YAML 1.1 reads on/off/yes/no as booleans: dynamo.loss.engine_is=off (a choice named "off") became False."""
+    from hf_reference import REPO
+    from megatron_dynamo.trainer.config import load_run_config
+
+    run = load_run_config(f"{REPO}/configs/cpu_default.yaml", ["dynamo.loss.engine_is=truncate", "dynamo.loss.engine_is=off",
+                                        "logging.tensorboard=false", "logging.plot=true"])
+    assert run.dynamo.loss.engine_is == "off"
+    assert run.logging.tensorboard is False and run.logging.plot is True

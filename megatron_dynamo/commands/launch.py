@@ -30,6 +30,8 @@ import tempfile
 
 import yaml
 
+from megatron_dynamo.config import parse_yaml
+
 
 def _site_arguments(parser) -> None:
     parser.add_argument("name", help="recipe name (see `dynamo launch list`) or a YAML config path "
@@ -105,7 +107,7 @@ def _convert_params(overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"parameter '{item}' is not of the form key=value")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw) if raw.strip() else ""
         params[key.strip()] = str(value) if key.strip() in ("src", "out", "tokenizer", "dtype") else value
     return params
 
