@@ -25,7 +25,8 @@ class TrainingError(RuntimeError):
 
 
 class ResumeError(TrainingError):
-    """``--resume`` found checkpoints but none intact (``dynamo train`` exits 2: bad input)."""
+    """``--resume`` found checkpoints but none intact, or ``model.checkpoint`` does not verify (``dynamo train``
+    exits 2: bad input)."""
 
 
 class TrainingStopped(TrainingError):
@@ -153,10 +154,13 @@ class Trainer:
         hf_weights = _hf_weight_source(run.model.checkpoint)
         self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
                                    sequence_parallel=run.parallel.sequence_parallel)
-        if run.model.checkpoint and hf_weights is None:
-            from megatron_dynamo.models.checkpoint_io import load_model_checkpoint
+        if run.model.checkpoint and hf_weights is None:  # a Megatron checkpoint: verified, then loaded
+            from megatron_dynamo.trainer.checkpoint import NoIntactCheckpoint, load_start_checkpoint
 
-            load_model_checkpoint(self.actor.chunks, run.model.checkpoint)
+            try:
+                load_start_checkpoint(run.model.checkpoint, self.actor.chunks)
+            except NoIntactCheckpoint as exc:
+                raise ResumeError(str(exc)) from None
             self.actor.optimizer.reload_model_params()
         self.history = PromptHistory(decay=run.dynamo.allocation.history_decay)
         eos = self.tokenizer.eos_token_id
@@ -276,14 +280,11 @@ class Trainer:
                 if logger is not None:
                     logger.log(step, metrics)
                 if step % run.checkpoint.every == 0 or step == run.trainer.steps:
-                    try:
+                    try:  # a failed save stops the run: the steps after it could not be saved either
                         self.save(step)
-                        saved_step = step
                     except CheckpointSaveError as exc:
-                        if self.rank == 0:
-                            log.error("%s", exc)
-                        if step == run.trainer.steps:
-                            raise TrainingError(str(exc)) from None
+                        raise TrainingError(f"{exc}; the run stops (--resume continues from there)") from None
+                    saved_step = step
         finally:
             if logger is not None:
                 logger.close()
