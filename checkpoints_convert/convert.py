@@ -102,14 +102,13 @@ def check_replaceable(out: str | os.PathLike, force: bool, kind: str) -> None:
                               "one: refused (nothing was written)")
 
 
-def verified_source(megatron_dir: str | os.PathLike, command: str) -> None:
+def verified_source(megatron_dir: str | os.PathLike, command: str, log: Log) -> None:
     """The checks ``--resume`` makes (``models/checkpoint_io/verify.py``), before any rank loads ``megatron_dir``;
-    the driver says what they prove on stderr (also with --quiet). Raises CheckpointError (one line). Under a
-    launcher every process checks."""
+    the driver logs what they prove. Raises CheckpointError (one line). Under a launcher every process checks."""
     key = signing_key()
     verify_checkpoint(megatron_dir, key)
     if is_driver():
-        _stderr(f"{command}: {megatron_dir} verified; {trust_line(key)}")
+        log(f"{command}: {megatron_dir} verified; {trust_line(key)}")
 
 
 @contextlib.contextmanager
@@ -276,9 +275,9 @@ def megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike,
     """
     log = _quiet if quiet else _stderr
     start = time.perf_counter()
-    ckpt = read_checkpoint_info(megatron_dir)
     check_replaceable(out, force, "hf")
-    verified_source(megatron_dir, "megatron-to-hf")
+    ckpt = read_checkpoint_info(megatron_dir)
+    verified_source(megatron_dir, "megatron-to-hf", log)
     config, config_source = ckpt.hf_config, ckpt.hf_dir
     if hf_config_dir is not None:
         config, config_source = read_hf_config(hf_config_dir), Path(hf_config_dir)
@@ -363,7 +362,7 @@ def verify(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, tp: int =
     ``megatron_dir`` at ``tp`` x ``pp``; compare the logits. Returns the result on the driver (None elsewhere)."""
     log = _quiet if quiet else _stderr
     ckpt = read_checkpoint_info(megatron_dir)
-    verified_source(megatron_dir, "verify")
+    verified_source(megatron_dir, "verify", log)
     _compare_architectures(parse_qwen_config(read_hf_config(hf_dir)), ckpt.arch, f"{hf_dir}/config.json",
                            f"checkpoint {megatron_dir}")
     check_layout(ckpt.arch, tp, pp)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_reference import TINY_QWEN2
+from hf_reference import REPO, TINY_QWEN2
 from payloads import inject_common, inject_extra_state, inject_metadata, rehash
 
 KEY, OTHER_KEY = "k" * 16 + "-the-user's-key", "another-key-of-32-bytes-0123456"
@@ -30,6 +32,11 @@ PAYLOADS = {  # case -> (plant it in step 2, the phrase the skip line must hold)
     "model_common": (lambda d, m: inject_common(d, "model", m), "model/common.pt: refused to unpickle"),
     "optimizer_common": (lambda d, m: inject_common(d, "optimizer", m), "optimizer/common.pt: refused"),
 }
+# Damage a checksum-only check cannot see once the manifest is re-hashed (or in a checkpoint signed that way).
+GARBLED = {"garbled_common": (lambda d, m: (d / "model" / "common.pt").write_bytes(b"PK\x03\x04" + os.urandom(64)),
+                              "model/common.pt: not a readable torch archive"),
+           "garbled_metadata": (lambda d, m: (d / "optimizer" / ".metadata").write_bytes(os.urandom(64)),
+                                "optimizer/.metadata: not a readable pickle")}
 
 
 def _save_two_steps(root: str, world_size: int):
@@ -78,7 +85,7 @@ def _payload_worker(rank, world_size, root):
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"  # torch.load's unsafe default, as a user may have it
     actor, saved = _save_two_steps(root, world_size)
     out = {}
-    for case, (plant, _) in PAYLOADS.items():
+    for case, (plant, _) in {**PAYLOADS, **GARBLED}.items():
         case_root = Path(f"{root}_{case}")
         marker = Path(f"{root}_{case}.ran")
         if rank == 0:
@@ -114,6 +121,12 @@ def test_payloads_are_refused_and_resume_falls_back_to_the_previous_checkpoint(t
         direct = result["direct"]
         assert direct.startswith("UnsafeCheckpointError: ") and "\n" not in direct, (case, direct)
         assert "refused to unpickle" in direct, (case, direct)
+    for case, (_, phrase) in GARBLED.items():  # falls back like any other damage
+        result = out[case]
+        assert result.get("path") == "step_000001" and result["exact"], (case, result)
+        skips = [line for line in result["lines"] if "skipping damaged checkpoint" in line]
+        assert len(skips) == 1 and phrase in skips[0] and "\n" not in skips[0], (case, result["lines"])
+        assert result["direct"].startswith("UnsafeCheckpointError: ") and "\n" not in result["direct"], result
 
 
 def _signing_worker(rank, world_size, root):
@@ -263,3 +276,48 @@ def test_key_from_a_file_outside_the_checkpoint_and_bad_keys_in_one_line(tmp_pat
         with pytest.raises(CheckpointKeyError, match=phrase) as info:
             signing_key(environ)
         assert "\n" not in str(info.value)
+
+
+def _train(output_dir, *extra, env=None):
+    cmd = [sys.executable, "-m", "megatron_dynamo.cli", "train", os.path.join(REPO, "configs", "cpu_default.yaml"),
+           f"trainer.output_dir={output_dir}", "trainer.sft_warmup_steps=5", "data.prompts_per_step=8",
+           "trainer.mini_batch_prompts=4", "dynamo.allocation.n_avg=4", "dynamo.allocation.n_min=2",
+           "dynamo.allocation.n_max=6", "data.synthetic_problems=16", "checkpoint.every=1", "checkpoint.keep_last=3",
+           "logging.plot=false", "logging.tensorboard=false", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+
+
+def test_cli_resume_the_converter_and_eval_refuse_the_issues_payload(tmp_path):
+    """The issue's case end to end: a .metadata payload in step 2 with the manifest re-hashed ran on --resume
+    ("--resume: loaded step 2", exit 0) and in `python -m checkpoints_convert megatron-to-hf` (which dynamo eval and
+    the trainer's export run). Now the converter refuses it in one line and writes nothing, dynamo eval's model
+    source says the same, and --resume skips it in one line, loads step 1 and trains on; the payload never runs."""
+    from megatron_dynamo.eval.model_source import prepare_model
+    from megatron_dynamo.eval.runner import EvalError
+
+    out, marker = tmp_path / "run", tmp_path / "payload_ran"
+    first = _train(out, "trainer.steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "checkpoints are checked for integrity only" in first.stdout
+    step2 = out / "checkpoints" / "step_000002"
+    inject_metadata(step2, "model", marker)
+    rehash(step2)
+
+    converted = subprocess.run([sys.executable, "-m", "checkpoints_convert", "megatron-to-hf", "--megatron",
+                                str(step2), "--out", str(tmp_path / "hf")], capture_output=True, text=True,
+                               cwd=REPO, timeout=300)
+    errors = [line for line in converted.stderr.splitlines() if line.startswith("error: ")]
+    assert converted.returncode == 1 and len(errors) == 1, converted.stderr[-3000:]
+    assert "model/.metadata: refused to unpickle _operator.getitem" in errors[0], errors
+    assert "Traceback" not in converted.stderr and not (tmp_path / "hf").exists()
+    with pytest.raises(EvalError, match="refused to unpickle _operator.getitem") as info:
+        prepare_model(step2, tmp_path / "eval")
+    assert "\n" not in str(info.value)
+
+    resumed = _train(out, "trainer.steps=3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    console = resumed.stdout + resumed.stderr
+    skips = [line for line in console.splitlines() if "skipping damaged checkpoint" in line]
+    assert len(skips) == 1 and "step_000002: model/.metadata: refused to unpickle" in skips[0], console[-3000:]
+    assert f"--resume: loaded step 1 from {out / 'checkpoints' / 'step_000001'}" in console
+    assert not marker.exists(), "the payload ran"
