@@ -219,6 +219,26 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class RewardConfig:
+    """math-verify scoring of the responses (``reward/math_reward.py``), in worker processes of each engine leader.
+    ``timeout_seconds``: math-verify's own limit per answer (a worker past twice that + 2 s is killed and
+    replaced). ``batch_seconds``: the time budget for scoring one step's responses on one leader: the answers not
+    scored when it runs out get reward 0 (reason ``timeout``) and are counted in ``reward/over_budget`` (0: no
+    budget). ``worker_memory_mb``: how much each worker may grow beyond its start-up size before an allocation
+    fails (the answer is an ``error``, the worker goes on; 0: no limit)."""
+
+    timeout_seconds: int = 5
+    batch_seconds: float = 600.0
+    worker_memory_mb: int = 2048
+
+    def validate(self) -> None:
+        if self.timeout_seconds < 1:
+            raise ValueError(f"timeout_seconds must be >= 1, got {self.timeout_seconds}")
+        if self.batch_seconds < 0 or self.worker_memory_mb < 0:
+            raise ValueError("batch_seconds and worker_memory_mb must be >= 0 (0: no limit)")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpoints every ``every`` steps and at the end, keeping the last ``keep_last``, under
     ``<output_dir>/checkpoints`` (or ``dir``); ``export_hf`` also writes the final model in HF format to
@@ -308,6 +328,7 @@ class RunConfig:
     dynamo: DynamoConfig = field(default_factory=DynamoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -187,7 +187,9 @@ class Trainer:
         if self.engine.layout.is_leader:
             from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
 
-            self.scorer = MathRewardScorer(num_workers=reward_workers_per_scorer(self.engine.layout.tensor_parallel))
+            self.scorer = MathRewardScorer(reward_workers_per_scorer(self.engine.layout.tensor_parallel),
+                                           run.reward.timeout_seconds, max_batch_seconds=run.reward.batch_seconds
+                                           or None, worker_memory_mb=run.reward.worker_memory_mb)
         self.runner = StepRunner(run, self.actor, self.engine, self.scorer, self.sampler, self.history,
                                  self.tokenizer, run.data.template, self.sampling, self.pad_token_id,
                                  self.rollout_dtype)
