@@ -22,13 +22,15 @@ from typing import Any
 
 from megatron_dynamo.launch.entry import convert, train
 from megatron_dynamo.launch.recipes import PROJECT_ROOT, Recipe, SiteRoots, load_recipe, recipe_overrides
+from megatron_dynamo.launch.requeue import requeue_policy
 
 # Seconds before the time limit at which Slurm sends SIGUSR1 to every process of the job step (nemo-run renders
 # `--signal=USR1@300`, no `B:`). The ranks take it as a stop request (parallel.stop_signals: finish the step, save
 # it, exit 138); torchrun's agent is told to handle it too (--signals-to-handle): it passes it on and
 # waits STOP_GRACE_S for the ranks before it kills them (its default, 30 s, is no time for a step and a save), then
 # exits non-zero, srun returns non-zero and nemo-run's batch script runs `scontrol requeue` (retries left): the
-# next allocation resumes from the saved step. Preemption requeues through `sbatch --requeue`.
+# next allocation resumes from the saved step. Preemption requeues through `sbatch --requeue`. A failure a new
+# start would repeat (bad input: exit 2) is not requeued (launch/requeue.py).
 SIGNAL_BEFORE_LIMIT_S = 300
 STOP_GRACE_S = 270
 # The environment torchrun's agent needs for that (added to a Slurm training job's environment).
@@ -196,6 +198,7 @@ def slurm_executor(options: SlurmOptions, nodes: int, gpus_per_node: int | None,
         container_image=image, container_mounts=mounts,
         env_vars={name: shlex.quote(value) for name, value in env.items()},  # (`export NAME=VALUE` lines)
         signal=f"USR1@{SIGNAL_BEFORE_LIMIT_S}" if use_torchrun else None, retries=options.retries,
+        setup_lines=requeue_policy(),  # no requeue after a failure a new start would repeat
         job_name_prefix="dynamo-", tunnel=tunnel, packager=packager,
         launcher=run.Torchrun(rdzv_port=options.rdzv_port) if use_torchrun else None)
 
