@@ -99,6 +99,11 @@ def _payload_worker(rank, world_size, root):
             out[case]["direct"] = "loaded"
         except BaseException as exc:  # noqa: BLE001 (torch DCP wraps failures in a BaseException)
             out[case]["direct"] = f"{type(exc).__name__}: {exc}"
+        try:  # a run's model.checkpoint (the ablation's shared start) is verified the same way
+            ckpt.load_start_checkpoint(case_root / "step_000002", actor.chunks)
+            out[case]["start"] = "loaded"
+        except ckpt.NoIntactCheckpoint as exc:
+            out[case]["start"] = str(exc)
         dist.barrier()
         out[case]["ran"] = marker.exists()
     return out
@@ -109,6 +114,10 @@ def test_payloads_are_refused_and_resume_falls_back_to_the_previous_checkpoint(t
     from multiproc import run_on_ranks
 
     (out,) = run_on_ranks(_payload_worker, 1, str(tmp_path / "ckpt"))
+
+    def result_root(case):
+        return tmp_path / f"ckpt_{case}" / "step_000002"
+
     for case, (_, phrase) in PAYLOADS.items():
         result = out[case]
         assert not result["ran"], f"{case}: the payload ran"
@@ -121,6 +130,8 @@ def test_payloads_are_refused_and_resume_falls_back_to_the_previous_checkpoint(t
         direct = result["direct"]
         assert direct.startswith("UnsafeCheckpointError: ") and "\n" not in direct, (case, direct)
         assert "refused to unpickle" in direct, (case, direct)
+        start = result["start"]
+        assert start.startswith(f"model.checkpoint: not loaded: {result_root(case)}") and phrase in start, start
     for case, (_, phrase) in GARBLED.items():  # falls back like any other damage
         result = out[case]
         assert result.get("path") == "step_000001" and result["exact"], (case, result)
