@@ -332,3 +332,29 @@ def test_cli_resume_the_converter_and_eval_refuse_the_issues_payload(tmp_path):
     assert len(skips) == 1 and "step_000002: model/.metadata: refused to unpickle" in skips[0], console[-3000:]
     assert f"--resume: loaded step 1 from {out / 'checkpoints' / 'step_000001'}" in console
     assert not marker.exists(), "the payload ran"
+
+
+def test_transformer_engine_extra_state_is_checked_before_te_unpickles_it(tmp_path):
+    """Transformer Engine keeps its FP8 state as pickle.dumps(...) in a uint8 tensor and pickle.loads it in
+    set_extra_state: a byte item holding such a tensor passes only if its bytes hold tensors and containers (TE is
+    not installed here: the state is built the way TE builds it)."""
+    import io
+    import pickle
+
+    from megatron_dynamo.models.checkpoint_io.safe_pickle import UnsafeCheckpointError, load_byte_item
+    from payloads import touching
+
+    def item(state) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8), buffer)
+        return buffer.getvalue()
+
+    key = "decoder.layers.self_attention.linear_qkv._extra_state/shard_0_4"
+    fp8 = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(4, 3), "extra_fp8_variables": {"num_gemms": 3}}
+    loaded = load_byte_item(item(fp8), key, "model/__0_0.distcp")
+    assert loaded.dtype == torch.uint8 and pickle.loads(loaded.numpy().tobytes())["amax_history_fwd"].shape == (4, 3)
+    assert load_byte_item(item({}), "other._extra_state", "x").numel() > 0
+    marker = tmp_path / "ran"
+    with pytest.raises(UnsafeCheckpointError, match=r"\(its bytes\): refused to unpickle (posix\.system|_operator)"):
+        load_byte_item(item(touching(marker, fp8)), key, "model/__0_0.distcp")
+    assert not marker.exists()

@@ -42,7 +42,7 @@ def _check_directory(directory: Path, label: str, rank: int, world_size: int) ->
         with open(directory / info.relative_path, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
-        load_byte_item(data, index.fqn, f"{label}/{info.relative_path}: byte item {index.fqn}")
+        load_byte_item(data, index.fqn, f"{label}/{info.relative_path}: byte item {index.fqn}", map_location="cpu")
 
 
 def pickle_problem(root: str | os.PathLike, rank: int = 0, world_size: int = 1) -> str | None:

@@ -72,8 +72,9 @@ def _layout_by_name(name: str) -> torch.layout:
 
 
 def _storage_from_bytes(data: bytes):
-    """``torch.storage._load_from_bytes`` (how ``pickle`` stores a tensor's storage), with ``weights_only=True``."""
-    return load_torch_bytes(data, "a pickled tensor storage")
+    """``torch.storage._load_from_bytes`` (how ``pickle`` stores a tensor's storage), with ``weights_only=True``
+    (on the CPU: only checked here; Transformer Engine itself loads it later)."""
+    return load_torch_bytes(data, "a pickled tensor storage", map_location="cpu")
 
 
 SUBSTITUTES = {("torch.serialization", "_get_layout"): _layout_by_name,
@@ -146,13 +147,13 @@ def load_dcp_metadata(file: BinaryIO, source: str | None = None):
 _UNSUPPORTED_GLOBAL = re.compile(r"(?:GLOBAL|global) ([\w.]+)")
 
 
-def load_torch_bytes(data: bytes | BinaryIO, source: str) -> Any:
+def load_torch_bytes(data: bytes | BinaryIO, source: str, map_location: str | None = None) -> Any:
     """``torch.load(weights_only=True)`` of ``data`` (a ``torch.save`` archive), tensors placed where they were
-    saved (as torch DCP's own reader does); a refused global or a garbled archive raises
-    :class:`UnsafeCheckpointError` in one line naming ``source``."""
+    saved (as torch DCP's own reader does) unless ``map_location`` says otherwise; a refused global or a garbled
+    archive raises :class:`UnsafeCheckpointError` in one line naming ``source``."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
     try:
-        return torch.load(stream, weights_only=True)
+        return torch.load(stream, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         found = _UNSUPPORTED_GLOBAL.search(str(exc))
         what = f"refused to unpickle {found.group(1)}" if found else "refused by torch's weights-only unpickler"
@@ -163,11 +164,11 @@ def load_torch_bytes(data: bytes | BinaryIO, source: str) -> Any:
                                     f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
-def load_byte_item(data: bytes | BinaryIO, key: str, source: str) -> Any:
+def load_byte_item(data: bytes | BinaryIO, key: str, source: str, map_location: str | None = None) -> Any:
     """A DCP byte item (``key``: its state-dict key) with :func:`load_torch_bytes`. A non-empty ``uint8`` tensor
     under an ``_extra_state`` key is Transformer Engine's pickled FP8 state, which TE ``pickle.loads`` when the
     module loads it: its bytes must pass :class:`ExtraStateUnpickler` too."""
-    value = load_torch_bytes(data, source)
+    value = load_torch_bytes(data, source, map_location)
     if "_extra_state" in key and isinstance(value, torch.Tensor) and value.dtype == torch.uint8 \
             and value.numel() > 0:
         _unpickle(ExtraStateUnpickler, io.BytesIO(value.detach().cpu().numpy().tobytes()), f"{source} (its bytes)")
@@ -175,9 +176,9 @@ def load_byte_item(data: bytes | BinaryIO, key: str, source: str) -> Any:
 
 
 def load_torch_file(path: str | os.PathLike) -> Any:
-    """:func:`load_torch_bytes` of a file (``common.pt``)."""
+    """:func:`load_torch_bytes` of a file (``common.pt``), on the CPU as Megatron reads it."""
     with open(path, "rb") as f:
-        return load_torch_bytes(f, str(path))
+        return load_torch_bytes(f, str(path), map_location="cpu")
 
 
 DIST_METADATA = "metadata.json"
