@@ -59,7 +59,7 @@ def _measure(rank, world_size, model: str, root: str, repeats: int) -> dict:
     from megatron_dynamo.parallel import runtime
     from megatron_dynamo.trainer import checkpoint as ckpt
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
-    from megatron_dynamo.trainer.checkpoint_manifest import owned_files
+    from megatron_dynamo.models.checkpoint_io.manifest import owned_files
 
     runtime.init_distributed(runtime.ParallelConfig(), seed=0)
     actor = MegatronActor(model, optim=OptimConfig(lr=1e-5))

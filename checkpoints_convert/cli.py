@@ -33,10 +33,18 @@ tp x pp worker processes itself (torch.multiprocessing, start method spawn, gloo
 (RANK/WORLD_SIZE set) it spawns nothing: start exactly tp x pp processes, rank 0 writes the output.
 
 Megatron checkpoint layout: <dir>/megatron_dynamo.json (format version, dtype, source), <dir>/hf/config.json
-(+ generation config and tokenizer files), <dir>/model/ (dist_checkpointing, torch_dist). It loads at any TP/PP.
+(+ generation config and tokenizer files), <dir>/model/ (dist_checkpointing, torch_dist), <dir>/manifest.json
+(size and SHA-256 of every file). It loads at any TP/PP.
+
+Trust: megatron-to-hf and verify check a Megatron checkpoint as `dynamo train --resume` does before loading
+anything (manifest, every file's SHA-256, no unlisted file, pickles that hold data only: loading never runs code
+from a checkpoint). With DYNAMO_CHECKPOINT_KEY (or DYNAMO_CHECKPOINT_KEY_FILE, a file outside the checkpoint) set,
+hf-to-megatron signs the manifest with HMAC-SHA256 and the others refuse an unsigned or wrongly signed checkpoint;
+without a key the check proves integrity only. `sign DIR` writes the manifest of a checkpoint you trust.
+--force replaces only an empty directory or one holding a checkpoint of the kind being written.
 
 Exit codes: 0 ok, 1 error (message names the tensor or config field; nothing is left at --out),
-2 bad arguments, 3 verify: logits differ by more than --tol."""
+2 bad arguments (or an unusable checkpoint key), 3 verify: logits differ by more than --tol."""
 
 EPILOG = """\
 examples:
@@ -71,7 +79,8 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{hf-to-megatron,megatron-to-hf,verify}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{hf-to-megatron,megatron-to-hf,verify,sign}")
 
     def common(p: argparse.ArgumentParser, layout_help: str) -> None:
         p.add_argument("--tp", type=_positive, default=1, metavar="N",
@@ -99,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--max-item-size", type=parse_size, default=parse_size("16MiB"), metavar="SIZE",
                      help="store tensors larger than this as row pieces, so that loading the checkpoint never "
                           "buffers more than one piece (default 16MiB)")
-    h2m.add_argument("--force", action="store_true", help="replace --out if it exists (atomically, on success)")
+    h2m.add_argument("--force", action="store_true", help="replace --out if it holds a Megatron checkpoint (or is "
+                     "empty), atomically, on success; anything else is refused")
     common(h2m, "to shard the model with while converting; the checkpoint itself loads at any layout")
 
     m2h = sub.add_parser(
@@ -123,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
                      help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB; a larger single tensor "
                           "gets a shard of its own)")
-    m2h.add_argument("--force", action="store_true", help="replace --out if it exists (atomically, on success)")
+    m2h.add_argument("--force", action="store_true", help="replace --out if it holds an HF model (or is empty), "
+                     "atomically, on success; anything else is refused")
     common(m2h, "to load the checkpoint with before gathering")
 
     ver = sub.add_parser(
@@ -142,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--seq-len", type=_positive, default=32, metavar="S", help="tokens per sequence (default 32)")
     ver.add_argument("--seed", type=int, default=0, help="seed of the random token batch (default 0)")
     common(ver, "to load the Megatron checkpoint with")
+
+    sign = sub.add_parser(
+        "sign", help="write the manifest of a Megatron checkpoint you trust, signed with the configured key",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent("""\
+            Check a Megatron model checkpoint (the converter's output or a training step_N directory) and write
+            its manifest.json: the size and SHA-256 of every file, with an HMAC-SHA256 signature when
+            DYNAMO_CHECKPOINT_KEY (or DYNAMO_CHECKPOINT_KEY_FILE) is set. For a checkpoint saved before manifests
+            existed or before a key was configured. Refused when the files no longer match an existing manifest,
+            or when a pickle of the checkpoint holds anything but data."""))
+    sign.add_argument("directory", metavar="DIR", help="Megatron model checkpoint directory")
     return parser
 
 
@@ -157,11 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoints_convert import convert
     from checkpoints_convert.launch import RankError, is_driver
     from megatron_dynamo.models.checkpoint_io import CheckpointError
+    from megatron_dynamo.models.checkpoint_io.signing import CheckpointKeyError
     from megatron_dynamo.models.mappings import MappingError
     from megatron_dynamo.models.qwen import UnsupportedModelConfig
 
     try:
-        if args.command == "hf-to-megatron":
+        if args.command == "sign":
+            from checkpoints_convert.sign import sign_checkpoint
+
+            print(sign_checkpoint(args.directory), file=sys.stderr)
+        elif args.command == "hf-to-megatron":
             convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
                                    quiet=args.quiet, max_item_bytes=args.max_item_size)
         elif args.command == "megatron-to-hf":
@@ -177,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"error: max |logit diff| {result.max_abs_diff:.3e} is above the tolerance "
                           f"{result.tolerance:g}", file=sys.stderr)
                     return EXIT_MISMATCH
+    except CheckpointKeyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (CheckpointError, MappingError, UnsupportedModelConfig, RankError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR

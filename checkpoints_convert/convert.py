@@ -18,10 +18,13 @@ from typing import Any, Callable, Iterator
 import torch
 
 from checkpoints_convert.launch import broadcast_from_driver, is_driver, run_ranks, under_launcher
-from megatron_dynamo.models.checkpoint_io import (CheckpointError, HFCheckpointReader, SafetensorsShardWriter,
-                                                  atomic_output_dir, dtype_name, parse_qwen_config,
-                                                  read_checkpoint_info, read_hf_config, torch_dtype,
-                                                  write_checkpoint_info, write_hf_side_files)
+from megatron_dynamo.models.checkpoint_io import (SAFE_WEIGHTS_INDEX_NAME, CheckpointError, HFCheckpointReader,
+                                                  SafetensorsShardWriter, atomic_output_dir, dtype_name,
+                                                  is_model_checkpoint, parse_qwen_config, read_checkpoint_info,
+                                                  read_hf_config, torch_dtype, write_checkpoint_info,
+                                                  write_hf_side_files)
+from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
+from megatron_dynamo.models.checkpoint_io.verify import verify_checkpoint, write_full_manifest
 from megatron_dynamo.models.mappings import (MappingError, check_hf_tensor_shapes, hf_parameter_shapes,
                                              layer_mappings)
 from megatron_dynamo.models.qwen import QwenArchitecture, UnsupportedModelConfig
@@ -84,6 +87,37 @@ def _compare_architectures(a: QwenArchitecture, b: QwenArchitecture, what_a: str
         va, vb = getattr(a, field.name), getattr(b, field.name)
         if va != vb:
             raise CheckpointError(f"{what_a} and {what_b} describe different models: {field.name}={va!r} vs {vb!r}")
+
+
+def _holds(kind: str, path: Path) -> bool:
+    """Whether ``path`` holds a checkpoint of ``kind``: "megatron" (this project's model checkpoint) or "hf"
+    (config.json and safetensors)."""
+    if kind == "megatron":
+        return is_model_checkpoint(path)
+    return (path / "config.json").is_file() and (any(path.glob("*.safetensors"))
+                                                 or (path / SAFE_WEIGHTS_INDEX_NAME).is_file())
+
+
+def check_replaceable(out: str | os.PathLike, force: bool, kind: str) -> None:
+    """``--force`` replaces only a directory that holds a checkpoint of the kind being written (or nothing): a
+    mistyped --out must not delete a data set or a home directory. Raises CheckpointError (one line)."""
+    path = Path(out).absolute()
+    if not force or not (path.exists() or path.is_symlink()):
+        return
+    what = {"megatron": "a Megatron checkpoint (megatron_dynamo.json)", "hf": "an HF model (config.json + "
+            "*.safetensors)"}[kind]
+    if path.is_symlink() or not path.is_dir() or not (_holds(kind, path) or not any(path.iterdir())):
+        raise CheckpointError(f"--force replaces only an empty directory or one holding {what}; {path} is not "
+                              "one: refused (nothing was written)")
+
+
+def verified_source(megatron_dir: str | os.PathLike, command: str, log: Log) -> None:
+    """The checks ``--resume`` makes (``models/checkpoint_io/verify.py``), before any rank loads ``megatron_dir``;
+    the driver logs what they prove. Raises CheckpointError (one line). Under a launcher every process checks."""
+    key = signing_key()
+    verify_checkpoint(megatron_dir, key)
+    if is_driver():
+        log(f"{command}: {megatron_dir} verified; {trust_line(key)}")
 
 
 @contextlib.contextmanager
@@ -187,6 +221,8 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 
                                   "or --dtype bf16")
         dtype = dtype_name(next(iter(stored)))
     torch_dtype(dtype)
+    check_replaceable(out, force, "megatron")
+    key = signing_key()
     if is_driver():
         log(f"hf-to-megatron: {hf_dir} ({arch.model_type}, {arch.num_layers} layers, {len(reader.names())} tensors, "
             f"{size_text(reader.total_bytes())}) -> {out} as {dtype} at tp={tp} pp={pp}")
@@ -200,6 +236,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 
                         "bytes": reader.total_bytes()},
                 saved_with={"tensor_parallel": tp, "pipeline_parallel": pp},
                 hf_files_from=[hf_dir])
+            write_full_manifest(tmp, key)  # last: it lists every file, signed when a key is configured
     summary = {"out": str(Path(out).absolute()), "dtype": dtype, "tp": tp, "pp": pp,
                "bytes": reader.total_bytes(), "seconds": time.perf_counter() - start, "ranks": results}
     if is_driver():
@@ -247,7 +284,9 @@ def megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike,
     """
     log = _quiet if quiet else _stderr
     start = time.perf_counter()
+    check_replaceable(out, force, "hf")
     ckpt = read_checkpoint_info(megatron_dir)
+    verified_source(megatron_dir, "megatron-to-hf", log)
     config, config_source = ckpt.hf_config, ckpt.hf_dir
     if hf_config_dir is not None:
         config, config_source = read_hf_config(hf_config_dir), Path(hf_config_dir)
@@ -332,6 +371,7 @@ def verify(hf_dir: str | os.PathLike, megatron_dir: str | os.PathLike, tp: int =
     ``megatron_dir`` at ``tp`` x ``pp``; compare the logits. Returns the result on the driver (None elsewhere)."""
     log = _quiet if quiet else _stderr
     ckpt = read_checkpoint_info(megatron_dir)
+    verified_source(megatron_dir, "verify", log)
     _compare_architectures(parse_qwen_config(read_hf_config(hf_dir)), ckpt.arch, f"{hf_dir}/config.json",
                            f"checkpoint {megatron_dir}")
     check_layout(ckpt.arch, tp, pp)

@@ -5,19 +5,36 @@
 #   scripts/local_slurm.sh up       # install when missing, write the config, start munged, slurmctld and the
 #                                   # nodes n1 and n2 (slurmd -N n1 / -N n2), wait until both are idle
 #   scripts/local_slurm.sh status   # sinfo; exit 0 when both nodes answer
-#   scripts/local_slurm.sh down     # stop the daemons this script started (by their pid files)
+#   scripts/local_slurm.sh down     # undo what `up` did (below)
 #
 # Idempotent: `up` on a running cluster only checks it. The nodes are 127.0.0.1 under the names n1 and n2
 # (/etc/hosts entries are added), each with its own port, spool, log and pid file (without its own pid file the
 # second slurmd silently stops the first). CPUs per node: SLURM_LOCAL_CPUS (default: this host's count, at least 1).
 # Partition `debug` (default), no accounting, no time-limit enforcement beyond the job's own --time.
+#
+# What `up` changes is recorded under the state directory, and `down` undoes exactly that: it stops the daemons
+# (each pid is checked against the expected program, and slurmd's node name, before a signal is sent: a stale pid
+# file never kills an unrelated process), stops munged if `up` started it, removes the /etc/hosts lines `up` added,
+# puts back the slurm.conf that was there before (`up` keeps a copy) or removes the one it wrote, removes the munge
+# key it created, and removes its state and run directories. The packages it installed stay; the logs stay.
+#
+# Paths can be moved for tests (tests/test_local_slurm.py runs up/down against stub daemons this way):
+# LOCAL_SLURM_ETC, LOCAL_SLURM_HOSTS, LOCAL_SLURM_STATE, LOCAL_SLURM_LOG, LOCAL_SLURM_RUN, LOCAL_SLURM_MUNGE_ETC,
+# LOCAL_SLURM_MUNGE_RUN (SLURM_CONF then points the daemons at the moved slurm.conf).
 set -euo pipefail
 
-etc=/etc/slurm
-state=/var/lib/slurm-local
-log=/var/log/slurm-local
-run=/run/slurm-local
+etc=${LOCAL_SLURM_ETC:-/etc/slurm}
+hosts=${LOCAL_SLURM_HOSTS:-/etc/hosts}
+state=${LOCAL_SLURM_STATE:-/var/lib/slurm-local}
+log=${LOCAL_SLURM_LOG:-/var/log/slurm-local}
+run=${LOCAL_SLURM_RUN:-/run/slurm-local}
+munge_etc=${LOCAL_SLURM_MUNGE_ETC:-/etc/munge}
+munge_run=${LOCAL_SLURM_MUNGE_RUN:-/run/munge}
 conf=$etc/slurm.conf
+export SLURM_CONF=$conf
+header="# Written by scripts/local_slurm.sh: two nodes on one host, for tests."
+record=$state/undo            # what `up` changed, for `down`
+backup=$record/slurm.conf.before
 
 need_root() {
   if [[ $(id -u) -ne 0 ]]; then
@@ -41,16 +58,51 @@ install_packages() {
   apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
 }
 
+runs() {  # runs PIDFILE PROGRAM [ARGS]: the pid in PIDFILE is a running PROGRAM whose command line holds ARGS
+  [[ -f $1 ]] || return 1
+  local pid
+  pid=$(tr -d '[:space:]' < "$1")
+  [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/comm ]] || return 1
+  [[ $(< "/proc/$pid/comm") == "$2" ]] || return 1
+  [[ -z ${3:-} ]] && return 0
+  local cmdline
+  cmdline=" $(tr '\0' ' ' < "/proc/$pid/cmdline")"
+  [[ $cmdline == *" $3 "* ]]
+}
+
+stop() {  # stop PIDFILE PROGRAM [ARGS]: SIGTERM to the process if it is that program, then wait for it (30 s)
+  if ! runs "$@"; then
+    if [[ -f $1 ]]; then
+      echo "local_slurm: $1 does not name a running $2${3:+ ($3)}: nothing signalled"
+    fi
+    return 0
+  fi
+  local pid
+  pid=$(tr -d '[:space:]' < "$1")
+  kill "$pid"
+  for _ in $(seq 300); do
+    [[ -d /proc/$pid ]] || return 0
+    sleep 0.1
+  done
+  echo "local_slurm: $2 ($pid) did not stop within 30 s" >&2
+}
+
 write_config() {
   local cpus=${SLURM_LOCAL_CPUS:-$(nproc)}
   local host
   host=$(hostname -s)
-  mkdir -p "$etc" "$state/ctld" "$state/d" "$log" "$run"
+  mkdir -p "$etc" "$state/ctld" "$state/d" "$log" "$run" "$record"
   for node in n1 n2; do
-    grep -qE "^[^#]*[[:space:]]$node([[:space:]]|$)" /etc/hosts || echo "127.0.0.1 $node" >> /etc/hosts
+    if ! grep -qE "^[^#]*[[:space:]]$node([[:space:]]|$)" "$hosts"; then
+      echo "127.0.0.1 $node" >> "$hosts"
+      echo "127.0.0.1 $node" >> "$record/hosts-added"
+    fi
   done
+  if [[ -f $conf && ! -f $backup ]] && [[ $(head -n 1 "$conf") != "$header" ]]; then
+    cp -p "$conf" "$backup"   # somebody else's slurm.conf: put back by `down`
+  fi
   cat > "$conf.new" <<EOF
-# Written by scripts/local_slurm.sh: two nodes on one host, for tests.
+$header
 ClusterName=local
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=16817
@@ -88,25 +140,25 @@ EOF
   mkdir -p "$state/d/n1" "$state/d/n2"
 }
 
-alive() {  # alive PIDFILE: the process named in PIDFILE runs
-  [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
-}
-
 start_munge() {
-  if [[ ! -f /etc/munge/munge.key ]]; then
-    mkdir -p /etc/munge
-    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+  if [[ ! -f $munge_etc/munge.key ]]; then
+    mkdir -p "$munge_etc"
+    dd if=/dev/urandom of="$munge_etc/munge.key" bs=1024 count=1 status=none
+    touch "$record/munge-key-created"
   fi
-  chown munge:munge /etc/munge/munge.key 2>/dev/null || true
-  chmod 400 /etc/munge/munge.key
-  mkdir -p /run/munge /var/log/munge /var/lib/munge
-  chown munge:munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null || true
+  chown munge:munge "$munge_etc/munge.key" 2>/dev/null || true
+  chmod 400 "$munge_etc/munge.key"
+  mkdir -p "$munge_run" /var/log/munge /var/lib/munge
+  chown munge:munge "$munge_run" /var/log/munge /var/lib/munge 2>/dev/null || true
   if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    local munged
+    munged=$(command -v munged)
     if id munge >/dev/null 2>&1; then
-      su -s /bin/sh munge -c "munged --force" || munged --force
+      su -s /bin/sh munge -c "$munged --force" || "$munged" --force
     else
-      munged --force
+      "$munged" --force
     fi
+    touch "$record/munged-started"
   fi
 }
 
@@ -115,9 +167,9 @@ up() {
   install_packages
   write_config
   start_munge
-  alive "$run/slurmctld.pid" || slurmctld
+  runs "$run/slurmctld.pid" slurmctld || slurmctld
   for node in n1 n2; do
-    alive "$run/slurmd-$node.pid" || slurmd -N "$node"
+    runs "$run/slurmd-$node.pid" slurmd "-N $node" || slurmd -N "$node"
   done
   local deadline=$((SECONDS + ${SLURM_LOCAL_TIMEOUT:-60}))
   while (( SECONDS < deadline )); do
@@ -137,12 +189,29 @@ up() {
 }
 
 down() {
-  for pidfile in "$run/slurmd-n1.pid" "$run/slurmd-n2.pid" "$run/slurmctld.pid"; do
-    if alive "$pidfile"; then
-      kill "$(cat "$pidfile")"
-    fi
+  for node in n1 n2; do
+    stop "$run/slurmd-$node.pid" slurmd "-N $node"
   done
-  echo "local_slurm: down"
+  stop "$run/slurmctld.pid" slurmctld
+  if [[ -f $record/munged-started ]]; then
+    stop "$munge_run/munged.pid" munged
+  fi
+  if [[ -f $record/hosts-added ]]; then
+    # In place (cat >, not mv): /etc/hosts is often a bind mount in containers.
+    local kept
+    kept=$(grep -vxF -f "$record/hosts-added" "$hosts" || true)
+    printf '%s\n' "$kept" > "$hosts"
+  fi
+  if [[ -f $backup ]]; then
+    cp -p "$backup" "$conf"
+  elif [[ -f $conf ]] && [[ $(head -n 1 "$conf") == "$header" ]]; then
+    rm "$conf"
+  fi
+  if [[ -f $record/munge-key-created ]]; then
+    rm -f "$munge_etc/munge.key"
+  fi
+  rm -rf "$state" "$run"
+  echo "local_slurm: down (logs kept in $log)"
 }
 
 status() {

@@ -366,7 +366,7 @@ def test_help_explains_every_option():
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.dest == "command").choices
-    assert set(subparsers) == {"hf-to-megatron", "megatron-to-hf", "verify"}
+    assert set(subparsers) == {"hf-to-megatron", "megatron-to-hf", "verify", "sign"}
     for name, sub in subparsers.items():
         for action in sub._actions:
             assert action.help and len(action.help) > 10, f"{name} {action.option_strings}: no help"
@@ -485,6 +485,10 @@ def test_cli_failure_inside_workers_leaves_nothing(models, tmp_path, tp1_run):
     config = json.load(open(config_path))
     config["intermediate_size"] = 256
     json.dump(config, open(config_path, "w"))
+    from checkpoints_convert.sign import sign_checkpoint
+
+    (broken / "manifest.json").unlink()  # its checksums would refuse the change before any loading
+    sign_checkpoint(broken)
     out = tmp_path / "out"
     code, _, err = _program("megatron-to-hf", "--megatron", broken, "--out", out, "--quiet")
     assert code == 1 and "linear_fc1.weight" in err and "shape mismatch" in err, err

@@ -564,6 +564,17 @@ def test_convert_sbatch_both_directions(slurm, tmp_path):
     assert missing.returncode != 0 and "OUT" in missing.stderr
 
 
+def test_convert_sbatch_refuses_a_latest_outside_its_directory(slurm, tmp_path):
+    """`latest` must name a step directory of the checkpoints directory itself (issue 33: ../victim resolved)."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    for pointer in ("../../victim", "/elsewhere/step_000001", "step_000001/../../x"):
+        (ckpts / "latest").write_text(pointer + "\n")
+        proc = _convert(slurm, DIRECTION="megatron-to-hf", SRC=str(ckpts), OUT="/r/hf")
+        assert proc.returncode == 2 and "not a step_NNNNNN directory" in proc.stderr, proc.stderr
+    assert slurm.srun_calls() == []
+
+
 # --------------------------------------------------------------------------------------------------- linting
 def test_scripts_found():
     names = {p.name for p in SCRIPTS}

@@ -386,3 +386,56 @@ def test_train_sbatch_engine_node_one_step_ahead_requeues_and_resumes_exactly(sl
     assert f"--resume: loaded step {saved.group(1)} from" in second, second[:2000]
     assert "rollout engine of 1 rank on ranks 1-1 of their own" in text
     assert_same_metrics(metrics(run_dir), separate_reference)
+
+
+def _launch_cpu_default(job_dir: Path, *overrides: str) -> tuple[int, Path]:
+    """`dynamo launch run configs/cpu_default.yaml --executor slurm` on one node (retries 3): (job id, batch log)."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "launch", "run", *RECIPE, "--executor",
+                           "slurm", "--gpus-per-node", "0", "--code-dir", str(ROOT), "--job-dir", str(job_dir),
+                           "--retries", "3", "--rdzv-port", str(29800 + os.getpid() % 100), *OVERRIDES,
+                           *overrides], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=180)
+    assert proc.returncode == 0 and "SUBMITTED" in proc.stdout, proc.stdout + proc.stderr
+    # The batch log appears when the job starts (other jobs may hold the nodes).
+    found = wait_for(lambda: list(job_dir.glob("experiments/cpu_default/*/cpu_default/sbatch_*.out")), 900,
+                     "the job to start")
+    return int(found[0].stem.rsplit("_", 1)[1]), found[0]
+
+
+def _rank_of(job: int) -> int:
+    """The pid of this job's training rank (torchrun's worker: fdl_runner, SLURM_JOB_ID in its environment)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"nemo_run.core.runners.fdl_runner" in cmdline and not any(b"torchrun" in part for part in cmdline) \
+                and f"SLURM_JOB_ID={job}".encode() in environ:
+            return int(proc.name)
+    pytest.fail(f"no rank of job {job} found")
+
+
+def test_launch_a_config_error_ends_the_job_at_once_and_a_killed_rank_requeues(slurm, tmp_path):
+    """Issue 33: nemo-run's batch script requeued on any non-zero exit (TORCHX_MAX_RETRIES), so a config error
+    (exit 2) ran --retries times. Now the job ends FAILED at once with the line in its log; a rank killed by
+    SIGKILL (a node failure, the OOM killer: no line from it) still requeues (tests/test_requeue.py: every case)."""
+    # A config error the launcher cannot see: the data file is looked for on the cluster, when the job starts.
+    job, log = _launch_cpu_default(tmp_path / "bad" / "jobs", "data.train=/nonexistent/train.jsonl",
+                                   f"trainer.output_dir={tmp_path / 'bad' / 'run'}")
+    # Before: FAILED, then requeued (Restarts 1, PENDING for its 2-minute BeginTime), 3 times.
+    wait_for(lambda: finished(job) or job_info(job).get("Restarts") not in (None, "0"), 300,
+             "the job to end or requeue", job, log)
+    info = job_info(job)
+    steps = "".join(p.read_text() for p in log.parent.glob("log-*.out"))
+    assert (info.get("JobState"), info.get("Restarts")) == ("FAILED", "0"), (info, log.read_text()[-3000:])
+    assert "/nonexistent/train.jsonl" in steps and "not requeued: bad input (exit 2)" in steps, steps[-3000:]
+    assert f"dynamo: job {job} is not requeued: bad input (exit 2)" in log.read_text()
+
+    run_dir = tmp_path / "kill" / "run"
+    job, log = _launch_cpu_default(tmp_path / "kill" / "jobs", "trainer.steps=200", f"trainer.output_dir={run_dir}")
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 400, "the first step", job, log)
+    os.kill(_rank_of(job), 9)  # the job's rank, which this test started through Slurm
+    wait_for(lambda: job_info(job).get("Restarts") == "1", 300, "the requeue", job, log)
+    subprocess.run(["scancel", str(job)], check=True)
+    wait_for(lambda: finished(job), 120, "the cancelled job to end", job, log)
+    assert f"dynamo: job {job} is not requeued" not in log.read_text()

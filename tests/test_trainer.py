@@ -124,7 +124,9 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
     from multiproc import run_on_ranks
 
     (out,) = run_on_ranks(_checkpoint_worker, 1, str(tmp_path / "ckpt"))
-    assert out["failed"] and "No space left on device" in out["failed"] and "previous checkpoint is intact" in out["failed"]
+    # (an ENOSPC raised by hand: the real full disk is tests/test_checkpoint_faults.py's)
+    assert out["failed"].startswith(f"checkpoint of step 2 not saved in {tmp_path / 'ckpt'}: no space left on device")
+    assert out["failed"].endswith("step_000002.tmp removed, latest is still step_000001")
     assert out["latest"] == "step_000001" and out["entries"] == ["latest", "step_000001"]
     assert out["restored"] and out["state"] == {"x": 1}
 

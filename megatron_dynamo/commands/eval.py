@@ -286,6 +286,10 @@ def run(args) -> int:
             print(f"dynamo eval: {job.model} ({origin}), "
                   f"{', '.join(job.config.benchmarks)}, n={job.config.n}, template {job.config.template}"
                   + (f", {engines} engines of {args.tensor_parallel} rank(s)" if engines > 1 else ""), flush=True)
+            if job.converted:  # the converter checked it as --resume does: say what that proves
+                from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
+
+                print(f"dynamo eval: {job.model} verified; {trust_line(signing_key())}", flush=True)
         if external or world == 1:
             summary = evaluate_on_rank(rank, world, job)
         else:

@@ -19,6 +19,11 @@ DYNAMO_DATA_DIR / DYNAMO_OUTPUT_ROOT; Slurm defaults from DYNAMO_SLURM_ACCOUNT, 
 DYNAMO_CONTAINER_IMAGE, DYNAMO_CONTAINER_MOUNTS, DYNAMO_JOB_DIR. Conversion recipes take key=value parameters:
 src, out, tp, pp, tokenizer, dtype, force. `run` needs nemo-run (pip install -e ".[launch]"); list and show do
 not. Without nemo-run: scripts/slurm/train.sbatch and scripts/slurm/convert.sbatch (docs/cluster.md).
+
+Values that reach the batch script are shell-quoted (--container-image, --mounts, --code-dir and their DYNAMO_*
+defaults: nemo-run writes them unquoted) or refused with exit 2 where they cannot be: --account, --partition,
+--time, --job-dir, --ssh-host and --ssh-user go into #SBATCH lines or paths nemo-run does not quote, so they take
+letters, digits and _ . / @ % + = : , - only; a newline is refused everywhere.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ def add_arguments(parser) -> None:
                      help="pyxis/enroot image with the project's dependencies (default $DYNAMO_CONTAINER_IMAGE; "
                           "none: run on the host)")
     run.add_argument("--mounts", default=env("DYNAMO_CONTAINER_MOUNTS", ""),
-                     help="comma-separated container mounts SRC:DST (default $DYNAMO_CONTAINER_MOUNTS)")
+                     help="comma-separated container mounts SRC:DST (default $DYNAMO_CONTAINER_MOUNTS); each is "
+                          "shell-quoted in the batch script, a newline in one is refused")
     run.add_argument("--job-dir", default=env("DYNAMO_JOB_DIR", ""),
                      help="nemo-run's job directory on the cluster's shared file system (default $DYNAMO_JOB_DIR, "
                           "else ~/.nemo_run/experiments)")

@@ -129,6 +129,9 @@ def run(args) -> int:
             print(f"dynamo train: rollout.max_staleness={cfg.rollout.max_staleness} with dynamo.loss.engine_is=off: "
                   "the gradient ignores that the samples come from older weights (engine_is=truncate weighs each "
                   "token by the proximal/behaviour ratio: docs/rollout.md)", flush=True)
+        from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
+
+        print(f"dynamo train: {trust_line(signing_key())}", flush=True)
     from megatron_dynamo.launch.ranks import launch_training
     from megatron_dynamo.parallel import stop_signals
     from megatron_dynamo.parallel.spawn import RankError
@@ -148,8 +151,9 @@ def run(args) -> int:
 
 
 def _no_intact_checkpoint(exc: BaseException) -> bool:
-    """--resume found only damaged checkpoints (on one rank or, through RankError, on all): bad input, exit 2."""
-    from megatron_dynamo.trainer.checkpoint import NO_INTACT_CHECKPOINT
+    """--resume found only damaged checkpoints, or model.checkpoint does not verify (on one rank or, through
+    RankError, on all): bad input, exit 2."""
+    from megatron_dynamo.trainer.checkpoint import BAD_CHECKPOINT
 
     texts = [text for _, text in exc.errors] if hasattr(exc, "errors") else [str(exc)]
-    return all(text.startswith(NO_INTACT_CHECKPOINT) for text in texts)
+    return all(text.startswith(BAD_CHECKPOINT) for text in texts)

@@ -1,8 +1,9 @@
 """Importable entry points of the nemo-run recipes (``run.Partial`` targets). No nemo-run import here.
 
 Under torchrun / srun every process calls :func:`train` with the same config and is one rank: it runs the code path
-of ``dynamo train`` (``launch.ranks.train_on_rank``). Failures exit non-zero, which is what makes the Slurm job
-requeue itself (nemo-run's batch script requeues on a non-zero exit while retries are left).
+of ``dynamo train`` (``launch.ranks.train_on_rank``). Failures exit non-zero; nemo-run's batch script requeues the
+job then (retries left), except after a failure a new start would repeat: those print
+``launch.requeue.NOT_REQUEUED`` with the reason, which the script looks for (``launch/requeue.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 
+from megatron_dynamo.launch.requeue import not_requeued
 from megatron_dynamo.trainer.config import RunConfig
 
 
@@ -26,20 +28,26 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
     from megatron_dynamo.trainer.config import with_algorithm
     from megatron_dynamo.trainer.preflight import check_run_inputs
     from megatron_dynamo.trainer.step_metrics import RolloutError
-    from megatron_dynamo.trainer.trainer import TrainingError
+    from megatron_dynamo.trainer.trainer import ResumeError, TrainingError, TrainingStopped
 
     try:
         run = with_algorithm(config, algo)
         validate_tree(run)
         run = check_run_inputs(run)  # hub ids -> local snapshots (one of several ranks: from the cache only)
     except ConfigError as exc:
-        print(f"dynamo launch: {exc}", file=sys.stderr)
+        print(f"dynamo launch: {exc}\n{not_requeued('bad input (exit 2)')}", file=sys.stderr)
         raise SystemExit(2) from None
     try:  # under torchrun/srun this process is one rank; a single process spawns the model-parallel ranks
         launch_training(run, resume)
     except (TrainingError, RolloutError, RankError) as exc:
         print(f"dynamo launch: rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', '0'))}: {exc}",
               file=sys.stderr)
+        # A stop signal (its step saved), a failed rollout (an engine or a device) or a lost rank: a new start may
+        # succeed, the job requeues. What a new start would repeat ends it (launch/requeue.py).
+        if isinstance(exc, TrainingError) and not isinstance(exc, TrainingStopped):
+            code = 2 if isinstance(exc, ResumeError) else 1
+            print(not_requeued(f"the run cannot go on (exit {code})"), file=sys.stderr)
+            raise SystemExit(code) from None
         raise SystemExit(1) from None
 
 
@@ -79,5 +87,7 @@ def convert(direction: str, src: str, out: str, tp: int = 1, pp: int = 1, tokeni
     args = convert_args(direction, src, out, tp, pp, tokenizer, dtype, force)
     print("dynamo launch: python -m checkpoints_convert " + " ".join(args), flush=True)
     code = subprocess.run([sys.executable, "-m", "checkpoints_convert", *args], check=False).returncode
+    if code > 0:  # the converter's own error (its line is above): the same input fails again
+        print(not_requeued(f"the conversion failed (exit {code})"), file=sys.stderr, flush=True)
     if code:
-        raise SystemExit(code)
+        raise SystemExit(code if code > 0 else 1)

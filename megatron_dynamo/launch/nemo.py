@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_dynamo.launch.entry import convert, train
 from megatron_dynamo.launch.recipes import PROJECT_ROOT, Recipe, SiteRoots, load_recipe, recipe_overrides
+from megatron_dynamo.launch.requeue import requeue_policy
 
 # Seconds before the time limit at which Slurm sends SIGUSR1 to every process of the job step (nemo-run renders
 # `--signal=USR1@300`, no `B:`). The ranks take it as a stop request (parallel.stop_signals: finish the step, save
 # it, exit 138); torchrun's agent is told to handle it too (--signals-to-handle): it passes it on and
 # waits STOP_GRACE_S for the ranks before it kills them (its default, 30 s, is no time for a step and a save), then
 # exits non-zero, srun returns non-zero and nemo-run's batch script runs `scontrol requeue` (retries left): the
-# next allocation resumes from the saved step. Preemption requeues through `sbatch --requeue`.
+# next allocation resumes from the saved step. Preemption requeues through `sbatch --requeue`. A failure a new
+# start would repeat (bad input: exit 2) is not requeued (launch/requeue.py).
 SIGNAL_BEFORE_LIMIT_S = 300
 STOP_GRACE_S = 270
 # The environment torchrun's agent needs for that (added to a Slurm training job's environment).
@@ -112,6 +116,40 @@ class SlurmOptions:
     rdzv_port: int = 29500
 
 
+# What a value may hold where nemo-run writes it unquoted and it cannot be quoted: an `#SBATCH` line (sbatch reads
+# it, not a shell), the paths nemo-run builds from the job directory (srun --output, the sbatch command it runs
+# through a shell, `ln -s` of the code directory).
+PLAIN = re.compile(r"[A-Za-z0-9_./@%+=:,-]+")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def plain(option: str, value: str) -> str:
+    """``value`` if it is :data:`PLAIN`, else ValueError (``dynamo launch`` exits 2 with the line)."""
+    if not PLAIN.fullmatch(value):
+        raise ValueError(f"{option} {value!r}: only letters, digits and _ . / @ % + = : , - are allowed here (it "
+                         "goes into an #SBATCH line or a path nemo-run does not quote)")
+    return value
+
+
+def shell_word(option: str, value: str, forbidden: str = "") -> str:
+    """``value`` as one shell word where nemo-run writes it unquoted (its srun line, ``export``, ``ln -s``):
+    shell-quoted. A control character (a newline) or one of ``forbidden`` (a separator of the option's own list)
+    cannot be quoted for the program that reads it: ValueError."""
+    bad = sorted({c for c in value if ord(c) < 32 or ord(c) == 127 or c in forbidden})
+    if bad or not value:
+        what = ", ".join(repr(c) for c in bad) or "an empty value"
+        raise ValueError(f"{option} {value!r}: {what} cannot be passed on (refused)")
+    return shlex.quote(value) if _nemo_leaves_srun_unquoted() else value
+
+
+def _nemo_leaves_srun_unquoted() -> bool:
+    """nemo-run 0.11 quotes an srun argument unless it is a ``noquote``, which it defines as ``str`` itself: so it
+    quotes nothing. Quote here while that is so (a later nemo-run that quotes would otherwise quote twice)."""
+    from nemo_run.core.execution import slurm
+
+    return isinstance("", slurm.noquote)
+
+
 def slurm_executor(options: SlurmOptions, nodes: int, gpus_per_node: int | None, time: str,
                    env: dict[str, str] | None = None, use_torchrun: bool = True):
     """One sbatch job of ``nodes`` nodes: one srun task per node running torchrun with ``gpus_per_node`` processes
@@ -121,6 +159,17 @@ def slurm_executor(options: SlurmOptions, nodes: int, gpus_per_node: int | None,
     ``use_torchrun=False``: one plain task (the conversions), no time-limit signal."""
     run = _nemo_run()
 
+    from nemo_run.config import get_nemorun_home
+
+    for option, value in (("--account", options.account), ("--partition", options.partition),
+                          ("--time", options.time or time), ("--job-dir", options.job_dir or get_nemorun_home()),
+                          ("--ssh-host", options.ssh_host), ("--ssh-user", options.ssh_user)):
+        if value:
+            plain(option, value)
+    env = {**(env or {}), **(TORCHRUN_STOP_ENV if use_torchrun else {})}
+    for name in env:
+        if not ENV_NAME.fullmatch(name):
+            raise ValueError(f"environment variable name {name!r}: refused")
     if options.ssh_host:
         if not options.job_dir:
             raise ValueError("--ssh-host needs --job-dir (nemo-run's job directory on the cluster)")
@@ -130,21 +179,26 @@ def slurm_executor(options: SlurmOptions, nodes: int, gpus_per_node: int | None,
         # nemo-run writes the experiment under <base_dir>/experiments/ and sbatch reads it from the tunnel's job
         # directory: on this machine they must be the same directory (submit(base_dir=options.job_dir)).
         tunnel = run.LocalTunnel(job_dir=os.path.join(options.job_dir, "experiments") if options.job_dir else "")
-    mounts = list(options.container_mounts)
+    # Values nemo-run writes unquoted on the srun line: each quoted (a pyxis mount list is one word, its commas
+    # between the quoted mounts), or refused where a character cannot be passed on (a comma inside a mount).
+    mounts = [shell_word("--mounts", m, forbidden=",") for m in options.container_mounts]
+    image = shell_word("--container-image", options.container_image) if options.container_image else None
     if options.code_dir:
-        # nemo-run links <job dir>/code to this directory; the container must see it under the same path.
-        # (a subclass of Packager: nemo-run links the code directory only for those, not for Packager itself)
-        packager = run.PatternPackager(include_pattern=[], relative_path=[], symlink_from_remote_dir=options.code_dir)
-        mounts.append(f"{options.code_dir}:{options.code_dir}")
+        # nemo-run links <job dir>/code to this directory (`ln -s CODE_DIR ...` run by a shell); the container must
+        # see it under the same path. (A subclass of Packager: nemo-run links the code directory only for those.)
+        code_dir = shell_word("--code-dir", options.code_dir, forbidden=",:")
+        packager = run.PatternPackager(include_pattern=[], relative_path=[], symlink_from_remote_dir=code_dir)
+        mounts.append(shell_word("--code-dir", f"{options.code_dir}:{options.code_dir}", forbidden=","))
     else:
         packager = run.GitArchivePackager(basepath=str(PROJECT_ROOT))
     return run.SlurmExecutor(
         account=options.account, partition=options.partition, nodes=nodes,
         ntasks_per_node=(gpus_per_node or 1) if use_torchrun else 1, gpus_per_node=gpus_per_node or None,
         time=options.time or time, exclusive=options.exclusive or None,
-        container_image=options.container_image, container_mounts=mounts,
-        env_vars={**(env or {}), **(TORCHRUN_STOP_ENV if use_torchrun else {})},
+        container_image=image, container_mounts=mounts,
+        env_vars={name: shlex.quote(value) for name, value in env.items()},  # (`export NAME=VALUE` lines)
         signal=f"USR1@{SIGNAL_BEFORE_LIMIT_S}" if use_torchrun else None, retries=options.retries,
+        setup_lines=requeue_policy(),  # no requeue after a failure a new start would repeat
         job_name_prefix="dynamo-", tunnel=tunnel, packager=packager,
         launcher=run.Torchrun(rdzv_port=options.rdzv_port) if use_torchrun else None)
 
@@ -166,10 +220,10 @@ class Rendered:
 
 def render(task, executor, name: str, base_dir: str | os.PathLike) -> Rendered:
     """Dry run: write everything nemo-run would submit under ``base_dir`` (kept) and return it; submits nothing."""
-    import shlex
-
     run = _nemo_run()
     from nemo_run.core.frontend.console.api import CONSOLE
+
+    plain("the job name", name)
 
     # nemo-run notes "Detected Torchrun launcher, setting ntasks_per_node=1 ..." while it lays out the job: its own
     # bookkeeping, printed in the middle of the dry run's script.
@@ -202,6 +256,8 @@ def submit(task, executor, name: str, detach: bool, base_dir: str | os.PathLike 
     ``base_dir``: where nemo-run keeps the experiment (default ``~/.nemo_run``). Returns the task's state
     (torchx ``AppState`` name: SUCCEEDED, FAILED, SUBMITTED, ...)."""
     run = _nemo_run()
+
+    plain("the job name", name)
 
     with run.Experiment(name, executor=executor, base_dir=str(base_dir) if base_dir else None,
                         log_level="WARNING") as exp:

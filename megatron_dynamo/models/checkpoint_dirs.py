@@ -28,18 +28,22 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     found = []
     for path in root.iterdir():
         match = STEP_DIR.match(path.name)
-        if match and (path / STATE_FILE).is_file():
+        if match and not path.is_symlink() and (path / STATE_FILE).is_file():
             found.append((int(match.group(1)), path))
     return sorted(found)
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint named by ``latest`` if it is complete, else the newest complete one, else None."""
+    """The checkpoint named by ``latest`` if it is complete, else the newest complete one, else None.
+
+    ``latest`` must name a step directory of ``root`` itself (``step_NNNNNN``, not a symbolic link): a pointer
+    such as ``../victim`` or ``/elsewhere`` is ignored like a missing one."""
     root = Path(root)
     pointer = root / LATEST
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / STATE_FILE).is_file():
+    if pointer.is_file() and not pointer.is_symlink():
+        name = pointer.read_text(errors="replace").strip()
+        candidate = root / name
+        if STEP_DIR.match(name) and not candidate.is_symlink() and (candidate / STATE_FILE).is_file():
             return candidate
     checkpoints = list_checkpoints(root)
     return checkpoints[-1][1] if checkpoints else None

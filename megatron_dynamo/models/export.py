@@ -192,5 +192,8 @@ def export_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike,
         cmd += ["--tokenizer", str(tokenizer_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=single_process_environment())
     if proc.returncode != 0:
-        raise RuntimeError(f"converting {megatron_dir} to HF failed: {proc.stderr.strip()[-2000:]}")
+        # The converter's one-line error if it printed one (library warnings may follow it), else its stderr's end.
+        errors = [line.removeprefix("error: ") for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        raise RuntimeError(f"converting {megatron_dir} to HF failed: "
+                           f"{errors[-1] if errors else proc.stderr.strip()[-2000:]}")
     return Path(out)

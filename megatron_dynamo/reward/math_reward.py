@@ -11,7 +11,8 @@ reward 0 and is counted under one reason in :class:`RewardStats`:
 - ``empty``: empty or whitespace-only response (or ``None``)
 - ``truncated``: the engine stopped at the token limit (``finish_reason == "length"``); checked first
 - ``timeout``: math-verify's own alarm fired, or the item ran past the hard wall-clock limit and its worker
-  was killed and replaced
+  was killed and replaced, or the batch's time budget ran out before it was scored (also counted in
+  ``over_budget``)
 - ``error``: anything else: a worker died twice on the item, no reference form could be parsed, every
   comparison raised
 
@@ -41,7 +42,7 @@ import numpy as np
 
 from megatron_dynamo.cpus import usable_cpu_count
 from megatron_dynamo.reward.answers import Reference, extract_answer, normalize_references
-from megatron_dynamo.reward.pool import VerifierPool
+from megatron_dynamo.reward.pool import OVER_BUDGET, VerifierPool
 from megatron_dynamo.reward.verify import silence_math_verify_logging, verify_answer
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class RewardStats:
     num_verified: int = 0
     cache_hits: int = 0
     workers_replaced: int = 0
+    #: responses left unscored (reward 0, reason ``timeout``) when the batch's time budget ran out
+    over_budget: int = 0
     seconds: float = 0.0
     #: summed time the workers spent in math-verify
     verify_seconds: float = 0.0
@@ -89,6 +92,7 @@ class RewardStats:
             f"{prefix}num_verified": float(self.num_verified),
             f"{prefix}cache_hits": float(self.cache_hits),
             f"{prefix}workers_replaced": float(self.workers_replaced),
+            f"{prefix}over_budget": float(self.over_budget),
             f"{prefix}seconds": self.seconds,
         })
         return metrics
@@ -118,7 +122,10 @@ class MathRewardScorer:
             and replaced. Default ``2 * timeout_seconds + 2``.
         max_answer_chars: longer extracted answers are not sent to sympy (reason ``too_long``).
         require_boxed: only a ``\\boxed{}`` answer counts (no last-number fallback).
-        max_batch_seconds: optional limit for a whole call; items left when it runs out get ``timeout``.
+        max_batch_seconds: time budget for a whole call (None: none): the answers not scored when it runs out
+            get reward 0, reason ``timeout`` (math-verify's own rule, batch-wide), counted in ``over_budget``.
+        worker_memory_mb: each worker's address space may grow this much beyond its warm start-up size; an
+            allocation past it fails and the item is an ``error`` (None or 0: no limit). Linux.
         start_method: ``"spawn"`` (default; safe in a process that already runs threads, e.g. a trainer) or
             ``"fork"`` / ``"forkserver"``. Spawned workers re-import the main module: a script that creates a
             scorer needs an ``if __name__ == "__main__":`` guard.
@@ -127,7 +134,7 @@ class MathRewardScorer:
     def __init__(self, num_workers: int | None = None, timeout_seconds: int = 5,
                  hard_timeout_seconds: float | None = None, max_answer_chars: int = 1000,
                  require_boxed: bool = False, max_batch_seconds: float | None = None,
-                 start_method: str = "spawn"):
+                 start_method: str = "spawn", worker_memory_mb: int | None = 2048):
         if num_workers is None:
             num_workers = min(4, usable_cpu_count())
         if num_workers < 0:
@@ -142,12 +149,15 @@ class MathRewardScorer:
             raise ValueError(f"hard_timeout_seconds must be > 0, got {hard_timeout_seconds}")
         self.max_answer_chars = max_answer_chars
         self.require_boxed = require_boxed
+        if max_batch_seconds is not None and max_batch_seconds <= 0:
+            raise ValueError(f"max_batch_seconds must be > 0 (None: no budget), got {max_batch_seconds}")
         self.max_batch_seconds = max_batch_seconds
         self._lock = threading.Lock()
         self._closed = False
         self._pool: VerifierPool | None = None
         if num_workers > 0:
-            self._pool = VerifierPool(num_workers, self.timeout_seconds, self.hard_timeout_seconds, start_method)
+            self._pool = VerifierPool(num_workers, self.timeout_seconds, self.hard_timeout_seconds, start_method,
+                                      memory_growth_bytes=(worker_memory_mb or 0) * 2**20 or None)
         else:
             silence_math_verify_logging()
 
@@ -253,6 +263,7 @@ class MathRewardScorer:
                     errors_logged += 1
             for i, task_id in item_task.items():
                 reasons[i] = outcomes[task_id][0]
+                stats.over_budget += outcomes[task_id][1] == OVER_BUDGET
         stats.num_verified = len(tasks)
 
         final_reasons = [r if r is not None else "error" for r in reasons]

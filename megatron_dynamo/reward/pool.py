@@ -14,8 +14,11 @@ What this module adds to pebble:
 - pebble's pool breaks as a whole when a worker dies while no task is running (an idle worker killed from outside:
   pebble issue #70, still so in 5.2.3; every later ``schedule`` raises ``RuntimeError``). Then the pool is rebuilt
   and the items it had aborted are sent again (not counted as deaths): nothing is lost;
+- a time budget per batch (:meth:`VerifierPool.run`): items not scored when it runs out are ``timeout`` with the
+  detail :data:`OVER_BUDGET` (math-verify's timeout rule, batch-wide), their running workers stopped and replaced;
 - the workers import math-verify and warm its caches in pebble's initializer, before they take an item (a fresh
-  worker's start-up is not counted in the item's time limit); the pool starts at construction (the caller goes on)
+  worker's start-up is not counted in the item's time limit), then limit their own memory growth
+  (``verify.limit_memory_growth``); the pool starts at construction (the caller goes on)
   and the first :meth:`VerifierPool.run` reads one start-up question per worker: a worker that cannot start
   (no math-verify: its traceback; a ``spawn`` main module without a ``__main__`` guard: after the start-up limit)
   raises a clear ``RuntimeError`` instead of hanging.
@@ -36,14 +39,16 @@ from megatron_dynamo.reward.verify import start_worker, verify_in_worker, worker
 logger = logging.getLogger(__name__)
 
 _BROKEN_POOL_ERRORS = (RuntimeError, concurrent.futures.process.BrokenProcessPool)
+OVER_BUDGET = "batch time limit"  # the detail of an item left unscored when a batch's time budget ran out
 
 
 class VerifierPool:
     """``num_workers`` math-verify worker processes; :meth:`run` scores a list of ``(answer, references)`` items."""
 
     def __init__(self, num_workers: int, timeout_seconds: int, hard_timeout_seconds: float,
-                 start_method: str, startup_timeout_seconds: float = 120.0):
+                 start_method: str, startup_timeout_seconds: float = 120.0, memory_growth_bytes: int | None = None):
         self._num_workers = num_workers
+        self._memory_growth_bytes = memory_growth_bytes
         self._context = multiprocessing.get_context(start_method)
         self._timeout_seconds = timeout_seconds
         self._hard_timeout_seconds = hard_timeout_seconds
@@ -55,7 +60,7 @@ class VerifierPool:
 
     def _start(self) -> None:
         self._pool = ProcessPool(max_workers=self._num_workers, context=self._context, initializer=start_worker,
-                                 initargs=(self._timeout_seconds,))
+                                 initargs=(self._timeout_seconds, self._memory_growth_bytes))
         self._warm_up = [self._pool.schedule(worker_start_error) for _ in range(self._num_workers)]
 
     def _restart(self, why: str) -> None:
@@ -113,7 +118,7 @@ class VerifierPool:
                         self.workers_replaced += 1
                         logger.warning("reward worker replaced (batch time limit reached)")
                     future.cancel()
-                    results[task_id] = ("timeout", "batch time limit")
+                    results[task_id] = ("timeout", OVER_BUDGET)
                 break
             done, _ = concurrent.futures.wait(in_flight, timeout=min(remaining, 1.0),
                                               return_when=concurrent.futures.FIRST_COMPLETED)

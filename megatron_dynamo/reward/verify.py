@@ -16,6 +16,9 @@ from typing import Any
 
 from megatron_dynamo.reward.answers import answer_to_latex, reference_to_latex
 
+MEMORY_LIMIT = "ran into the reward worker's memory limit"
+
+
 def silence_math_verify_logging() -> None:
     """math-verify logs the whole offending string on a timeout; keep such lines out of the logs."""
     for name in ("math_verify", "latex2sympy2_extended"):
@@ -44,6 +47,8 @@ def verify_answer(answer: str, references: tuple[str, ...], timeout_seconds: int
         predicted = parse(answer_to_latex(answer), parsing_timeout=timeout_seconds, raise_on_error=True)
     except TimeoutException:
         return "timeout", "math-verify timed out parsing the answer"
+    except MemoryError:
+        return "error", MEMORY_LIMIT
     except Exception as exc:  # noqa: BLE001 -- an unparsable answer is a normal model output
         return "no_answer", f"answer not parsable ({type(exc).__name__})"
     if not predicted:
@@ -73,6 +78,8 @@ def verify_answer(answer: str, references: tuple[str, ...], timeout_seconds: int
                     comparisons_done += 1
                 except TimeoutException:
                     return "timeout", "math-verify timed out comparing"
+                except MemoryError:
+                    return "error", MEMORY_LIMIT
                 except Exception:  # noqa: BLE001 -- this pair is unequal; try the others
                     pass
     if usable_references == 0:
@@ -86,16 +93,30 @@ def verify_answer(answer: str, references: tuple[str, ...], timeout_seconds: int
 _start_error: str | None = None
 
 
-def start_worker(timeout_seconds: int) -> None:
+def limit_memory_growth(growth_bytes: int) -> None:
+    """Let this process's address space grow by at most ``growth_bytes`` beyond its size now (``RLIMIT_AS``):
+    an allocation past it raises MemoryError (a sympy expression that would take the node's memory), instead of
+    the kernel's OOM killer picking a process of the job. Linux only (the size comes from /proc)."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + growth_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def start_worker(timeout_seconds: int, memory_growth_bytes: int | None = None) -> None:
     """The pool's initializer, run in each worker before it takes any item (so not inside an item's time limit): no
     warnings or math-verify log lines (they would print whole expressions), math-verify imported and its parser
-    caches warm. A failure is kept for :func:`worker_start_error` (the parent asks each worker once) rather than
-    raised: a raising initializer would make the pool restart the worker forever."""
+    caches warm, then the memory limit (``memory_growth_bytes`` beyond the warm worker's size; None: none). A
+    failure is kept for :func:`worker_start_error` (the parent asks each worker once) rather than raised: a
+    raising initializer would make the pool restart the worker forever."""
     global _start_error
     try:
         warnings.simplefilter("ignore")
         silence_math_verify_logging()
         verify_answer("1", ("1",), timeout_seconds)
+        if memory_growth_bytes:
+            limit_memory_growth(memory_growth_bytes)
     except BaseException:  # noqa: BLE001 -- reported to the parent by worker_start_error
         _start_error = traceback.format_exc()
 

@@ -9,14 +9,16 @@ Layout of ``<checkpoints>/step_000040``::
     trainer_state.json                   step, prompt history, sampler position, RNG states, config
     in_flight.safetensors                rollout batches generated ahead of training and not yet trained on
                                          (``rollout.max_staleness`` > 0; ``trainer/overlap.py``)
-    manifest.json                        size and SHA-256 of every other file (``checkpoint_manifest.py``)
+    manifest.json                        size and SHA-256 of every other file, signed when a key is configured
+                                         (``models/checkpoint_io/manifest.py``, ``signing.py``)
 
 Atomicity: every rank writes into ``step_000040.tmp``; rank 0 writes ``trainer_state.json``; every rank hashes the
 files it wrote, rank 0 merges them into ``manifest.json``, fsyncs the tree and renames the directory to
-``step_000040``, then rewrites ``latest`` (a one-line file, replaced with ``os.replace``). A crash or a full disk
-mid-save leaves only a ``.tmp`` directory, which is ignored and removed by the next save, so the previous checkpoint
-stays the latest and loadable. ``--resume`` loads the newest checkpoint that matches its manifest
-(:func:`resume_checkpoint`); a damaged one it skipped is replaced when its step is saved again.
+``step_000040``, then rewrites ``latest`` (a one-line file, replaced with ``os.replace``). A failed save (a full
+disk, an unwritable directory) removes its ``.tmp`` directory and says why in one line; a crash mid-save leaves the
+``.tmp``, which is ignored and removed by the next save. Either way the previous checkpoint stays the latest and
+loadable. ``--resume`` loads the newest checkpoint that verifies (:func:`resume_checkpoint`); a damaged one it
+skipped is replaced when its step is saved again.
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ from megatron_dynamo.models.checkpoint_io import (fsync_tree, load_model_checkpo
                                                    save_model_checkpoint, write_checkpoint_info)
 from megatron_dynamo.models.checkpoint_dirs import (LATEST, STATE_FILE, STEP_DIR, latest_checkpoint,  # noqa: F401
                                                      list_checkpoints, step_dir_name)
+from megatron_dynamo.models.checkpoint_io.manifest import MANIFEST_FILE, hash_files, owned_files, write_manifest
+from megatron_dynamo.models.checkpoint_io.safe_pickle import reading_checkpoint
+from megatron_dynamo.models.checkpoint_io.signing import SigningKey, signing_key, trust_line
+from megatron_dynamo.models.checkpoint_io.verify import checkpoint_problem
+from megatron_dynamo.models.checkpoint_io.write_errors import write_exceptions, write_failure
 from megatron_dynamo.parallel.runtime import collective_device
-from megatron_dynamo.trainer.checkpoint_manifest import (MANIFEST_FILE, check_files, hash_files, owned_files,
-                                                         read_manifest, write_manifest)
-
 
 
 class CheckpointSaveError(RuntimeError):
-    """Saving failed (e.g. disk full); the previous checkpoint is untouched."""
+    """Saving failed (a full disk, an unwritable directory, ...); the previous checkpoint is untouched."""
 
 
 def _encode_tensor(t: torch.Tensor) -> str:
@@ -80,15 +84,20 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, train
     """Collective: save a complete checkpoint of ``step`` atomically, then prune to the last ``keep_last``.
     ``hf_files_from``: directories whose tokenizer / generation-config files go into the checkpoint's ``hf/``
     (so that ``dynamo eval`` and the converter turn it into a complete HF model on their own). ``in_flight``: the
-    rollout batches generated ahead (``RolloutBatch``, the same on every rank; rank 0 writes them)."""
+    rollout batches generated ahead (``RolloutBatch``, the same on every rank; rank 0 writes them). The manifest is
+    signed when a key is configured (``models/checkpoint_io/signing.py``). Any failure (a full disk, an
+    unwritable directory, an exception of torch DCP) raises :class:`CheckpointSaveError`, one line naming the
+    directory and the cause, after the partial ``.tmp`` is removed; ``latest`` still names the previous step."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / (step_dir_name(step) + ".tmp")
     rank = dist.get_rank()
+    failed = write_exceptions()
     error = None
     try:
+        key = signing_key() if rank == 0 else None
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             for leftover in root.glob("step_*.tmp"):
@@ -96,9 +105,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, train
             tmp.mkdir()
             write_checkpoint_info(tmp, hf_config, dtype, source={"kind": "training", "step": step},
                                   saved_with=saved_with, hf_files_from=hf_files_from)
-    except OSError as exc:
+    except failed as exc:
         error = exc
-    _raise_if_any_rank_failed(error, tmp, "preparing")
+    _raise_if_any_rank_failed(error, root, tmp, step)
     try:
         save_model_checkpoint(chunks, tmp)
         (tmp / "optimizer").mkdir(exist_ok=True) if rank == 0 else None
@@ -110,45 +119,54 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, train
                 save_in_flight(tmp, in_flight)
             (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state, "manifest": MANIFEST_FILE,
                                                       "in_flight": [batch.step for batch in in_flight]}))
-    except OSError as exc:
+    except failed as exc:
         error = exc
-    _raise_if_any_rank_failed(error, tmp, "writing")
+    _raise_if_any_rank_failed(error, root, tmp, step)
     entries = None
     try:  # every rank hashes the files it wrote (in threads); rank 0 merges them into the manifest
         entries = hash_files(tmp, owned_files(tmp, rank))
-    except OSError as exc:
+    except failed as exc:
         error = exc
-    _raise_if_any_rank_failed(error, tmp, "hashing")
+    _raise_if_any_rank_failed(error, root, tmp, step)
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(entries, gathered, dst=0)
     try:
         if rank == 0:
-            write_manifest(tmp, {rel: entry for part in gathered for rel, entry in part.items()})
+            write_manifest(tmp, {rel: entry for part in gathered for rel, entry in part.items()}, key)
+            pointer_tmp = root / (LATEST + ".tmp")
+            pointer_tmp.write_text(final.name + "\n")  # before the rename: nothing after it needs space
             fsync_tree(tmp)
             if final.exists():  # a damaged checkpoint of this step that --resume skipped: this save replaces it
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            pointer_tmp = root / (LATEST + ".tmp")
-            pointer_tmp.write_text(final.name + "\n")
             os.replace(pointer_tmp, root / LATEST)
             for _, old in list_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-    except OSError as exc:
+    except failed as exc:
         error = exc
-    _raise_if_any_rank_failed(error, tmp, "finalising")
+    _raise_if_any_rank_failed(error, root, tmp, step)
     return final
 
 
-def _raise_if_any_rank_failed(error: BaseException | None, tmp: Path, what: str) -> None:
+def _raise_if_any_rank_failed(error: BaseException | None, root: Path, tmp: Path, step: int) -> None:
+    """Collective: if any rank failed, every rank raises the same CheckpointSaveError (the first failed rank's
+    cause), after rank 0 removed ``tmp`` (the cause is found first: a full disk is measured while it is full)."""
     failed = torch.tensor([0 if error is None else 1], device=collective_device())
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        reason = f"{type(error).__name__}: {error}" if error is not None else "another rank failed"
-        raise CheckpointSaveError(f"checkpoint not saved ({what} {tmp.name} failed: {reason}); "
-                                  "the previous checkpoint is intact")
+    if not failed.item():
+        return
+    causes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(causes, None if error is None else write_failure(error, tmp))
+    rank, cause = next((r, c) for r, c in enumerate(causes) if c is not None)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (root / (LATEST + ".tmp")).unlink(missing_ok=True)
+    dist.barrier()
+    kept = list_checkpoints(root)
+    still = (f"latest is still {kept[-1][1].name}" if kept else "no checkpoint of this run was saved before")
+    on_rank = f" (rank {rank})" if dist.get_world_size() > 1 else ""
+    raise CheckpointSaveError(f"checkpoint of step {step} not saved in {root}{on_rank}: {cause}; {tmp.name} "
+                              f"removed, {still}")
 
 
 def load_checkpoint(path: str | os.PathLike, chunks, optimizer) -> dict[str, Any]:
@@ -160,7 +178,8 @@ def load_checkpoint(path: str | os.PathLike, chunks, optimizer) -> dict[str, Any
     load_model_checkpoint(chunks, path)
     if optimizer is not None:
         sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)
-        loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))
+        with reading_checkpoint(path / "optimizer"):
+            loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))
         optimizer.load_state_dict(loaded["optimizer"])
     return state
 
@@ -194,55 +213,72 @@ def load_in_flight(path: str | os.PathLike) -> list:
 
 
 NO_INTACT_CHECKPOINT = "--resume: no intact checkpoint"
+UNUSABLE_START = "model.checkpoint: not loaded"
+BAD_CHECKPOINT = (NO_INTACT_CHECKPOINT, UNUSABLE_START)  # how the messages of bad input (exit 2) begin
 
 
 class NoIntactCheckpoint(RuntimeError):
-    """``--resume`` found checkpoints, but every one is damaged or incomplete (the message names each problem)."""
+    """``--resume`` found checkpoints, but every one is damaged or incomplete (the message names each problem),
+    or the checkpoint a run starts from (``model.checkpoint``) does not verify."""
 
 
-def _checkpoint_problem(path: Path, rank: int, world_size: int) -> tuple[str | None, bool]:
-    """(what is wrong with this rank's share of the checkpoint at ``path`` or None, saved before manifests)."""
+def _agreed_problem(problem: str | None) -> str | None:
+    """Collective: the first rank's problem (each rank checked its share of the files), the same on every rank."""
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
+
+
+def load_start_checkpoint(path: str | os.PathLike, chunks) -> None:
+    """Collective: verify the Megatron model checkpoint a run starts from (``model.checkpoint``), every rank its
+    share of the files, then load it; NoIntactCheckpoint (one line) when it does not verify."""
+    problem = _agreed_problem(checkpoint_problem(path, signing_key(), dist.get_rank(), dist.get_world_size()))
+    if problem is not None:
+        raise NoIntactCheckpoint(f"{UNUSABLE_START}: {path}: {problem}")
+    load_model_checkpoint(chunks, path)
+
+
+def _checkpoint_problem(path: Path, step: int, key: SigningKey | None, rank: int,
+                        world_size: int) -> str | None:
+    """What is wrong with this rank's share of the checkpoint of ``step`` at ``path`` (a phrase), or None."""
     try:
         state = json.loads((path / STATE_FILE).read_text())
     except FileNotFoundError:
-        return f"{STATE_FILE} is missing (an incomplete save)", False
+        return f"{STATE_FILE} is missing (an incomplete save)"
     except (OSError, ValueError) as exc:
-        return f"{STATE_FILE} is unreadable ({type(exc).__name__})", False
+        return f"{STATE_FILE} is unreadable ({type(exc).__name__})"
     if not isinstance(state, dict) or "step" not in state:
-        return f"{STATE_FILE} holds no step", False
-    if "manifest" not in state:  # saved before checksums existed: nothing to check it against
-        return None, True
-    try:
-        entries = read_manifest(path)
-    except ValueError as exc:
-        return str(exc), False
-    return check_files(path, entries, rank, world_size), False
+        return f"{STATE_FILE} holds no step"
+    problem = checkpoint_problem(path, key, rank, world_size)
+    if problem is None and state["step"] != step:  # (checked after the manifest: then the step is the saved one)
+        problem = f"{STATE_FILE} says step {state['step']}: the directory was renamed"
+    return problem
 
 
 def resume_checkpoint(root: str | os.PathLike) -> tuple[Path | None, list[str]]:
-    """Collective: the newest intact checkpoint under ``root`` for ``--resume``, and the console lines to print
-    (one per damaged checkpoint skipped, per ``.tmp`` leftover ignored, or for an unverified old checkpoint).
+    """Collective: the newest intact checkpoint under ``root`` for ``--resume``, and the console lines to print:
+    what the check proves (signed or integrity only), one per damaged checkpoint skipped, one per ``.tmp``
+    leftover ignored.
 
-    Every rank checks its own files of a candidate (sizes, then SHA-256 against ``manifest.json``) in parallel;
-    the ranks agree on the first problem found. A checkpoint without ``manifest.json`` whose ``trainer_state.json``
-    does not name one was saved before manifests existed: it is loaded with a line saying it is unverified.
+    Every rank checks its own files of a candidate in parallel (``models/checkpoint_io/verify.py``: manifest,
+    signature with a key, sizes, SHA-256, no unlisted file, pickles that hold data only); the ranks agree on the
+    first problem found. A checkpoint without a manifest is damaged like any other: nothing is loaded unverified.
     (None, lines) when there is no checkpoint at all; :class:`NoIntactCheckpoint` when all are damaged."""
     root = Path(root)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    key = signing_key()
     lines = [f"--resume: ignoring {tmp}, the leftover of an interrupted save (the next save removes it)"
              for tmp in sorted(root.glob("step_*.tmp"))] if root.is_dir() else []
     candidates = sorted(((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))),
                         reverse=True) if root.is_dir() else []
+    if candidates:
+        lines.insert(0, f"--resume: {trust_line(key)}")
     damaged = []
-    for _, path in candidates:
-        problem, unverified = _checkpoint_problem(path, rank, world_size)
-        problems = [None] * world_size
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p is not None), None)
+    for step, path in candidates:
+        problem = ("it is a symbolic link (out of the run's directory)" if path.is_symlink()
+                   else _checkpoint_problem(path, step, key, rank, world_size))
+        problem = _agreed_problem(problem)
         if problem is None:
-            if unverified:
-                lines.append(f"--resume: {path} has no {MANIFEST_FILE} (saved before checkpoints carried "
-                             "checksums): loading it unverified")
             return path, lines
         lines.append(f"--resume: skipping damaged checkpoint {path}: {problem}")
         damaged.append(f"{path.name}: {problem}")

@@ -295,6 +295,32 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class RewardConfig:
+    """math-verify scoring of the responses (``reward/math_reward.py``), in worker processes of each engine leader.
+
+    Keys:
+        timeout_seconds {>= 1}: math-verify's own limit per answer (a worker past twice that + 2 s is killed and
+            replaced).
+        batch_seconds {>= 0}: the time budget for scoring one step's responses on one leader: the answers not scored
+            when it runs out get reward 0 (reason ``timeout``) and are counted in ``reward/over_budget``; 0: no budget.
+        worker_memory_mb {>= 0}: how much each worker may grow beyond its start-up size before an allocation fails
+            (the answer is an ``error``, the worker goes on); 0: no limit.
+    """
+
+    timeout_seconds: int = 5
+    batch_seconds: float = 600.0
+    worker_memory_mb: int = 2048
+
+    def validate(self) -> None:
+        if self.timeout_seconds < 1:
+            raise ValueError(f"timeout_seconds must be >= 1, got {self.timeout_seconds}")
+        if self.batch_seconds < 0:
+            raise ValueError(f"batch_seconds must be >= 0 (0: no budget), got {self.batch_seconds}")
+        if self.worker_memory_mb < 0:
+            raise ValueError(f"worker_memory_mb must be >= 0 (0: no limit), got {self.worker_memory_mb}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -303,6 +329,7 @@ class RunConfig:
     dynamo: DynamoConfig = field(default_factory=DynamoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -8,7 +8,8 @@ class TrainingError(RuntimeError):
 
 
 class ResumeError(TrainingError):
-    """``--resume`` found checkpoints but none intact (``dynamo train`` exits 2: bad input)."""
+    """``--resume`` found checkpoints but none intact, or ``model.checkpoint`` does not verify (``dynamo train``
+    exits 2: bad input)."""
 
 
 class TrainingStopped(TrainingError):

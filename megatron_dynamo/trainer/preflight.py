@@ -11,6 +11,7 @@ Under torchrun/srun every process is a rank and runs this check: there the cache
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from megatron_dynamo.config import ConfigError
@@ -84,6 +85,11 @@ def _check_dataset(key: str, name: str, data_dir: str | None) -> None:
         raise ConfigError(f"{key}: {exc}") from None
 
 
+def _checkpoint_root(run: RunConfig) -> Path:
+    output = Path(run.trainer.output_dir).expanduser()
+    return Path(run.checkpoint.dir).expanduser() if run.checkpoint.dir else output / "checkpoints"
+
+
 def _check_output_dir(run: RunConfig, resume: bool) -> None:
     """The output directory can take this run: not a file, and (without ``--resume``) no earlier run's
     checkpoints in it, which this run would otherwise mix with its own."""
@@ -92,11 +98,71 @@ def _check_output_dir(run: RunConfig, resume: bool) -> None:
     output = Path(run.trainer.output_dir).expanduser()
     if output.exists() and not output.is_dir():
         raise ConfigError(f"trainer.output_dir: {output} exists and is not a directory")
-    root = Path(run.checkpoint.dir).expanduser() if run.checkpoint.dir else output / "checkpoints"
+    root = _checkpoint_root(run)
     if not resume and root.is_dir() and list_checkpoints(root):
         raise ConfigError(f"trainer.output_dir: {root} already holds checkpoints of an earlier run (nothing was "
                           f"written); pass --resume to continue it, or give this run its own directory, e.g. "
                           f"trainer.output_dir={output}-grpo for an --algo grpo run beside it")
+
+
+def _check_writable(path: Path, key: str) -> None:
+    """ConfigError unless a file can be created in ``path``, or (not there yet) in its nearest existing ancestor,
+    where the run will create it. A real file is created and removed: as root, permission bits say nothing."""
+    import os
+    import tempfile
+
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key}: {existing} is not a directory")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".dynamo-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        where = "" if existing == path.absolute() else f" (at {existing}, where it would be created)"
+        raise ConfigError(f"{key}: {path} is not writable{where}: {exc.strerror or exc}") from None
+
+
+def checkpoint_bytes(run: RunConfig) -> int:
+    """About the size of one checkpoint of ``run``: the weights in ``model.dtype``, Adam's two fp32 moments, fp32
+    master weights of a bf16 model, the tokenizer files copied into ``hf/``, and 1 MiB of metadata."""
+    from megatron_dynamo.models.checkpoint_io import TOKENIZER_FILES
+    from megatron_dynamo.models.mappings import hf_parameter_shapes
+    from megatron_dynamo.models.qwen import load_hf_config, parse_qwen_config
+
+    arch = parse_qwen_config(load_hf_config(run.model.config_source()))
+    params = sum(math.prod(shape) for shape in hf_parameter_shapes(arch).values())
+    per_param = {"fp32": 4 + 8, "bf16": 2 + 8 + 4}[run.model.dtype]
+    tokenizer = Path(run.model.tokenizer).expanduser()
+    side = sum((tokenizer / n).stat().st_size for n in TOKENIZER_FILES if (tokenizer / n).is_file()) \
+        if run.model.tokenizer != "char" and tokenizer.is_dir() else 0
+    return params * per_param + side + (1 << 20)
+
+
+def _check_output_space(run: RunConfig) -> None:
+    """The output and checkpoint directories are writable, and the checkpoints' file system has room for one
+    checkpoint of this run (a save writes the new one before it removes the oldest)."""
+    from megatron_dynamo.models.checkpoint_io.write_errors import disk_space, human_bytes
+
+    _check_writable(Path(run.trainer.output_dir).expanduser(), "trainer.output_dir")
+    root = _checkpoint_root(run)
+    _check_writable(root, "checkpoint.dir" if run.checkpoint.dir else "trainer.output_dir (checkpoints/)")
+    need, space = checkpoint_bytes(run), disk_space(root)
+    if space is not None and space[0] < need:
+        raise ConfigError(f"{root}: {human_bytes(space[0])} free of {human_bytes(space[1])}, but one checkpoint "
+                          f"of this run takes about {human_bytes(need)} ({run.model.dtype} weights, Adam state): "
+                          "free space or set checkpoint.dir elsewhere")
+
+
+def _check_signing_key() -> None:
+    from megatron_dynamo.models.checkpoint_io.signing import CheckpointKeyError, signing_key
+
+    try:
+        signing_key()
+    except CheckpointKeyError as exc:
+        raise ConfigError(f"checkpoint key: {exc}") from None
 
 
 def _tokenizer(run: RunConfig):
@@ -180,12 +246,14 @@ def _check_layout(run: RunConfig, world_size: int) -> None:
 def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size: int | None = None,
                      resume: bool | None = None) -> RunConfig:
     """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used (with
-    ``world_size``, also a layout that does not divide it; with ``resume`` given, an output directory that cannot
-    take the run); return ``run`` with hub ids resolved to local directories (:func:`resolve_run_models`), which is
+    ``world_size``, also a layout that does not divide it; with ``resume`` given, an output directory that holds
+    another run; always: output and checkpoint directories that cannot be written or have no room for a checkpoint,
+    an unusable checkpoint key); return ``run`` with hub ids resolved to local directories (:func:`resolve_run_models`), which is
     what the ranks get. :func:`check_training_prompts` checks the prompts themselves."""
     run = resolve_run_models(run, local_only)
     if resume is not None:
         _check_output_dir(run, resume)
+    _check_signing_key()
     if run.model.config is not None:
         _check_model_config(run.model.config)
     if run.model.checkpoint is not None:
@@ -216,6 +284,7 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
         for benchmark in evaluation.benchmarks:
             _check_dataset("evaluation.benchmarks", benchmark, data_dir)
+    _check_output_space(run)  # after the model's files: the checkpoint size is computed from its config
     if run.logging.wandb.mode != "disabled":
         import importlib.util
 

@@ -117,13 +117,16 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
                   engine_kwargs={"load_format": "dummy"})
 
 
-def create_scorer(engine):
-    """The reward scorer of an engine leader (None on the engine's other ranks)."""
+def create_scorer(run, engine):
+    """The reward scorer of an engine leader (None on the engine's other ranks), with the ``reward`` section's
+    limits."""
     if not engine.layout.is_leader:
         return None
     from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
 
-    return MathRewardScorer(num_workers=reward_workers_per_scorer(engine.layout.tensor_parallel))
+    reward = run.reward
+    return MathRewardScorer(reward_workers_per_scorer(engine.layout.tensor_parallel), reward.timeout_seconds,
+                            max_batch_seconds=reward.batch_seconds or None, worker_memory_mb=reward.worker_memory_mb)
 
 
 def evaluate_on_engines(run, engine, tokenizer, scorer, sampling, step: int, output_dir: Path, max_model_len: int,

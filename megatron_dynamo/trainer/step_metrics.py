@@ -128,7 +128,7 @@ def sum_reward_stats(stats) -> dict[str, float]:
     from megatron_dynamo.parallel.runtime import collective_device
     from megatron_dynamo.reward.math_reward import REWARD_REASONS, RewardStats
 
-    summed = ["num_responses", "num_verified", "cache_hits", "workers_replaced"]
+    summed = ["num_responses", "num_verified", "cache_hits", "workers_replaced", "over_budget"]
     local = stats or RewardStats()
     values = torch.tensor([float(local.counts[r]) for r in REWARD_REASONS] + [float(getattr(local, k)) for k in summed],
                           dtype=torch.float64, device=collective_device())

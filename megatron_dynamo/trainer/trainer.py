@@ -107,10 +107,13 @@ class Trainer:
         hf_weights = hf_weight_source(run.model.checkpoint)
         self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
                                    sequence_parallel=run.parallel.sequence_parallel)
-        if run.model.checkpoint and hf_weights is None:
-            from megatron_dynamo.models.checkpoint_io import load_model_checkpoint
+        if run.model.checkpoint and hf_weights is None:  # a Megatron checkpoint: verified, then loaded
+            from megatron_dynamo.trainer.checkpoint import NoIntactCheckpoint, load_start_checkpoint
 
-            load_model_checkpoint(self.actor.chunks, run.model.checkpoint)
+            try:
+                load_start_checkpoint(run.model.checkpoint, self.actor.chunks)
+            except NoIntactCheckpoint as exc:
+                raise ResumeError(str(exc)) from None
             self.actor.optimizer.reload_model_params()
         self.history = PromptHistory(decay=run.dynamo.allocation.history_decay)
         eos = self.tokenizer.eos_token_id
@@ -125,7 +128,7 @@ class Trainer:
 
             self.engine = create_engine(run, self.output_dir / "rollout_model", self.hf_config, self.tokenizer,
                                         self.engine_max_len, sleep_mode=True)
-            self.scorer = create_scorer(self.engine)
+            self.scorer = create_scorer(run, self.engine)
             producer = RolloutProducer(run, self.examples, self.engine, self.scorer, self.sampler, self.history,
                                        self.tokenizer, self.sampling)
         self.runner = StepRunner(run, self.actor, self.pad_token_id, self.rollout_dtype, examples=self.examples,
@@ -194,14 +197,12 @@ class Trainer:
                 if logger is not None:
                     logger.log(step, metrics)
                 if step % run.checkpoint.every == 0 or step == run.trainer.steps:
-                    try:
+                    try:  # a failed save stops the run: the steps after it could not be saved either
                         self.save(step)
-                        saved_step = step
                     except CheckpointSaveError as exc:
-                        if self.rank == 0:
-                            log.error("%s", exc)
-                        if step == run.trainer.steps:
-                            raise TrainingError(str(exc)) from None
+                        self.source.close()  # at a step boundary: the engines wait for a command
+                        raise TrainingError(f"{exc}; the run stops (--resume continues from there)") from None
+                    saved_step = step
             self.source.close()
         except TrainingStopped:
             self.source.close()  # at a step boundary: the engines wait for a command, so they can be told

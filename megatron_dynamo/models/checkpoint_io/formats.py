@@ -65,3 +65,20 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
 
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception behind it: ``__cause__`` / ``__context__``, and the per-rank failures a torch
+    DCP ``CheckpointException`` carries (a ``BaseException`` whose message is a multi-line traceback)."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        current = todo.pop(0)
+        if current is None or any(current is s for s in seen):
+            continue
+        seen.append(current)
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(pair[0] if isinstance(pair, tuple) else pair for pair in failures.values())
+        todo.extend((current.__cause__, current.__context__))
+    return seen

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_dynamo.models.checkpoint_io.formats import CHECKPOINT_MODEL_DIR, CheckpointError
+from megatron_dynamo.models.checkpoint_io.safe_pickle import reading_checkpoint
 
 
 def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
@@ -184,7 +185,8 @@ def check_model_checkpoint(chunks: Sequence[torch.nn.Module], model_dir: str | o
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    ckpt = dist_checkpointing.load_tensors_metadata(str(model_dir))
+    with reading_checkpoint(model_dir):
+        ckpt = dist_checkpointing.load_tensors_metadata(str(model_dir))
     mine, objects = {}, set()
     for sh in _flat_sharded(model_sharded_state_dict(chunks)):
         if isinstance(sh, ShardedTensor):
@@ -246,7 +248,8 @@ def load_model_checkpoint(chunks: Sequence[torch.nn.Module], directory: str | os
     at whatever TP/PP/VPP they were built with. Collective over all ranks.
 
     Memory: tensors are loaded in place into the parameters (the SwiGLU fc1 halves too, see
-    :func:`_merge_in_place`), so loading needs no second copy of the model.
+    :func:`_merge_in_place`), so loading needs no second copy of the model. No pickle of the checkpoint runs code
+    (:mod:`.safe_pickle`): a refused one raises UnsafeCheckpointError.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
@@ -263,7 +266,8 @@ def load_model_checkpoint(chunks: Sequence[torch.nn.Module], directory: str | os
         for value in sd.values():
             if isinstance(value, ShardedTensorFactory) and _is_view_partition(value):
                 value.merge_fn = _merge_in_place(value)
-    state = dist_checkpointing.load(sharded, str(model_dir))
+    with reading_checkpoint(model_dir):
+        state = dist_checkpointing.load(sharded, str(model_dir))
     for name, module in modules.items():
         current = module.state_dict(keep_vars=True)
         loaded = state.get(name, {})
