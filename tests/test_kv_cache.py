@@ -57,7 +57,7 @@ def test_a_bad_override_is_refused(value):
     from megatron_dynamo.config import ConfigError
     from megatron_dynamo.trainer.config import load_run_config
 
-    with pytest.raises(ConfigError, match="cpu_kvcache_gb must be > 0"):
+    with pytest.raises(ConfigError, match=r"rollout.cpu_kvcache_gb: must be > 0"):
         load_run_config(CPU_DEFAULT, [f"rollout.cpu_kvcache_gb={value}"])
 
 

@@ -125,22 +125,22 @@ def test_copy_generation_config(tmp_path):
 def _built_trainer(monkeypatch, tmp_path, overrides, rank=0):
     """``Trainer._build`` for a run config, with the Megatron actor, the vLLM engine and the reward workers
     replaced by stand-ins (the stop set is computed before any of them is used)."""
-    from megatron_dynamo.reward import math_reward
+    from types import SimpleNamespace
+
+    from megatron_dynamo.rollout.sharding import EngineLayout
     from megatron_dynamo.trainer import actor as actor_module
+    from megatron_dynamo.trainer import rollout_setup
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.trainer import Trainer, build_tokenizer
 
     monkeypatch.setattr(actor_module, "MegatronActor", lambda *args, **kwargs: None)
-    monkeypatch.setattr(math_reward, "MathRewardScorer", lambda *args, **kwargs: None)
-    from types import SimpleNamespace
-
-    from megatron_dynamo.rollout.sharding import EngineLayout
-
-    monkeypatch.setattr(Trainer, "_build_engine", lambda self: SimpleNamespace(layout=EngineLayout(rank, rank + 1, 1)))
+    monkeypatch.setattr(rollout_setup, "create_engine",
+                        lambda *args, **kwargs: SimpleNamespace(layout=EngineLayout(rank, rank + 1, 1)))
+    monkeypatch.setattr(rollout_setup, "create_scorer", lambda *args, **kwargs: None)
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={tmp_path / 'run'}", *overrides])
     trainer = Trainer.__new__(Trainer)
     trainer.run, trainer.rank, trainer.output_dir = run, rank, tmp_path / "run"
-    trainer.hf_config = {"vocab_size": 128}
+    trainer.hf_config, trainer.groups, trainer.engine_max_len = {"vocab_size": 128}, None, 256
     trainer.tokenizer = build_tokenizer(run, trainer.output_dir)
     trainer._build()
     return trainer
@@ -169,7 +169,7 @@ def test_trainer_rollouts_stop_at_the_end_of_a_chatml_turn(monkeypatch, tmp_path
                                                      f"model.checkpoint={checkpoint}",
                                                      "data.template=qwen_math_boxed"])
     assert trainer.sampling.stop_token_ids == (eot, im_end, im_start)
-    assert trainer.runner.sampling.stop_token_ids == (eot, im_end, im_start)
+    assert trainer.runner.producer.sampling.stop_token_ids == (eot, im_end, im_start)  # what rollouts use
     from megatron_dynamo.trainer.config import eval_config
 
     assert eval_config(trainer.run, stop_token_ids=trainer.sampling.stop_token_ids).sampling().stop_token_ids == \
