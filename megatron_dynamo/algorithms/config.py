@@ -16,6 +16,8 @@ DELTA_H_MODES = ("exact", "sequence_mean")
 # weights before each later mini-batch (exact for every mini-batch, one more forward over it).
 SCOPE_SOURCES = ("old_policy", "current_policy")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+#: dynamo.loss.prompt_weight: how much a prompt's responses weigh in the loss (algorithms/prompt_weights.py).
+PROMPT_WEIGHTS = ("rollouts", "equal")
 #: dynamo.loss.engine_is: how the trainer corrects for the engine/trainer log-prob gap (losses.engine_importance_weights).
 ENGINE_IS_MODES = ("off", "truncate", "mask")
 
@@ -81,6 +83,10 @@ class ModulationConfig:
     eq. 4). ``delta_h`` selects how Xi = |Delta H| is computed: "exact" (Theorem 1 with the full vocabulary sum) or
     "sequence_mean" (the public reference code's approximation). lambda_min is not given in the paper: 0.6
     (DYNAMO.md).
+
+    ``pos_weight`` (a control for GC, not part of DynaMO): every token with A > 0 gets the factor 1 + ``alpha``
+    (GC's cap) whatever its entropy, i.e. a constant positive:negative reweighting; GC's beta_comp lies in
+    [1, 1 + alpha] and sits at the cap where H_t is near the mini-batch's H_min. Exclusive with ``gc``.
     """
 
     gc: bool = True
@@ -91,9 +97,10 @@ class ModulationConfig:
     lambda_min: float = 0.6
     delta_h: str = "exact"
     scope: str = "old_policy"
+    pos_weight: bool = False
 
     def validate(self) -> "ModulationConfig":
-        for name in ("gc", "ums"):
+        for name in ("gc", "ums", "pos_weight"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModulationConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_real(self.alpha) or self.alpha < 0:
@@ -108,12 +115,15 @@ class ModulationConfig:
             raise ValueError(f"ModulationConfig.delta_h must be one of {DELTA_H_MODES}, got {self.delta_h!r}")
         if self.scope not in SCOPE_SOURCES:
             raise ValueError(f"ModulationConfig.scope must be one of {SCOPE_SOURCES}, got {self.scope!r}")
+        if self.gc and self.pos_weight:
+            raise ValueError("ModulationConfig.pos_weight replaces GC's beta_comp by its cap 1 + alpha: set gc "
+                             "false with pos_weight true")
         return self
 
     @property
     def enabled(self) -> bool:
-        """True when at least one of the two factors is applied."""
-        return self.gc or self.ums
+        """True when at least one factor (beta_comp, beta_stab or the constant positive weight) is applied."""
+        return self.gc or self.ums or self.pos_weight
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,10 @@ class PolicyLossConfig:
     and the trainer's old-policy one (``losses.engine_importance_weights``): ``off``, ``truncate`` (weight
     min(pi_old / pi_engine, ``engine_is_cap``), verl's and slime's truncated importance sampling) or ``mask`` (drop
     tokens whose ratio lies outside [1 / cap, cap]). ``engine_is_cap`` > 1 (2.0, verl's default).
+    ``clip_low`` may be 1 (lower ratio bound 0: no lower clip; Clip-COV's authors run clip_low = clip_high = 1).
+    ``prompt_weight``: ``rollouts`` (each response counts once: a prompt with n responses weighs n times one
+    response, as in every GRPO trainer) or ``equal`` (a prompt's responses weighted by mean n / n_i, so every prompt
+    weighs what it would under a uniform allocation whatever its n_i; ``algorithms/prompt_weights.py``).
     The ``entropy_loss_*``, ``fork_*``, ``entropy_adv_*``, ``clip_cov_*``, ``kl_cov_*`` and ``w_reinforce_*`` fields
     parameterise the baseline losses of the same names (``algorithms/baselines.py``).
     """
@@ -141,6 +155,7 @@ class PolicyLossConfig:
     loss_agg_mode: str = "token-mean"
     engine_is: str = "off"
     engine_is_cap: float = 2.0
+    prompt_weight: str = "rollouts"
     # The baselines of the paper's Table 1 (``algorithms/baselines.py``, sources and defaults cited there); each is
     # read only by the policy loss of its name.
     entropy_loss_coef: float = 0.001
@@ -155,8 +170,8 @@ class PolicyLossConfig:
     w_reinforce_lambda: float = 0.1
 
     def validate(self) -> "PolicyLossConfig":
-        if not _is_real(self.clip_low) or not 0 <= self.clip_low < 1:
-            raise ValueError(f"PolicyLossConfig.clip_low must lie in [0, 1), got {self.clip_low!r}")
+        if not _is_real(self.clip_low) or not 0 <= self.clip_low <= 1:
+            raise ValueError(f"PolicyLossConfig.clip_low must lie in [0, 1], got {self.clip_low!r}")
         if not _is_real(self.clip_high) or self.clip_high < 0:
             raise ValueError(f"PolicyLossConfig.clip_high must be a finite number >= 0, got {self.clip_high!r}")
         if self.clip_ratio_c is not None and (not _is_real(self.clip_ratio_c) or self.clip_ratio_c <= 1):
@@ -170,6 +185,9 @@ class PolicyLossConfig:
                 f"PolicyLossConfig.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
         if self.engine_is not in ENGINE_IS_MODES:
             raise ValueError(f"PolicyLossConfig.engine_is must be one of {ENGINE_IS_MODES}, got {self.engine_is!r}")
+        if self.prompt_weight not in PROMPT_WEIGHTS:
+            raise ValueError(f"PolicyLossConfig.prompt_weight must be one of {PROMPT_WEIGHTS}, "
+                             f"got {self.prompt_weight!r}")
         if not _is_real(self.engine_is_cap) or self.engine_is_cap <= 1:
             raise ValueError(f"PolicyLossConfig.engine_is_cap must be a finite number > 1, got {self.engine_is_cap!r}")
         if not isinstance(self.name, str) or not self.name:
@@ -191,3 +209,31 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.clip_cov_lb ({self.clip_cov_lb!r}) must be a finite number below "
                              f"clip_cov_ub ({self.clip_cov_ub!r})")
         return self
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2; verl ``recipe/dapo``: ``filter_groups``), the field's
+    answer to groups whose rewards are all equal (zero advantage, no gradient): with ``dynamic`` each step samples
+    rounds of ceil(prompts_per_step x ``oversample``) prompts (each round allocated as without it: uniform, or by
+    DRA), keeps the groups whose rewards differ and refills, at most ``max_refills`` times, until the step's
+    prompts_per_step are full; the surplus is dropped (``algorithms/dynamic_sampling.py``). verl's
+    ``max_num_gen_batches`` counts rounds (``max_refills + 1``) and stops the run when they run out; here the step
+    trains on the groups it has (``sampling/prompts_short`` says how many were missing)."""
+
+    dynamic: bool = False
+    oversample: float = 1.0
+    max_refills: int = 4
+
+    def validate(self) -> "DynamicSamplingConfig":
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"DynamicSamplingConfig.dynamic must be a bool, got {self.dynamic!r}")
+        if not _is_real(self.oversample) or self.oversample < 1:
+            raise ValueError(f"DynamicSamplingConfig.oversample must be a number >= 1, got {self.oversample!r}")
+        if not _is_int(self.max_refills) or self.max_refills < 0:
+            raise ValueError(f"DynamicSamplingConfig.max_refills must be an integer >= 0, got {self.max_refills!r}")
+        return self
+
+    def round_prompts(self, prompts_per_step: int) -> int:
+        """Prompts drawn per round: ceil(prompts_per_step x oversample) (prompts_per_step without ``dynamic``)."""
+        return math.ceil(prompts_per_step * self.oversample) if self.dynamic else int(prompts_per_step)

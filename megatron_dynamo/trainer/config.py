@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_dynamo.algorithms.baselines import BASELINES
-from megatron_dynamo.algorithms.config import AllocationConfig, ModulationConfig, PolicyLossConfig
+from megatron_dynamo.algorithms.config import (AllocationConfig, DynamicSamplingConfig, ModulationConfig,
+                                               PolicyLossConfig)
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml, validate_tree
 from megatron_dynamo.parallel.runtime import ParallelConfig
 from megatron_dynamo.trainer.actor import OptimConfig
@@ -148,11 +149,13 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class DynamoConfig:
     """DynaMO's parts: dynamic rollout allocation (sequence level), advantage modulation (token level), the
-    policy loss, and the group advantage estimator. ``algo: grpo`` switches allocation and modulation off."""
+    policy loss, and the group advantage estimator. ``algo: grpo`` switches allocation and modulation off.
+    ``sampling``: DAPO's dynamic sampling (off by default; with DRA or without)."""
 
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     modulation: ModulationConfig = field(default_factory=ModulationConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     advantage_estimator: str = "grpo"
     normalize_advantage_std: bool = True
     token_stats_chunk: int | None = None
@@ -167,6 +170,13 @@ class DynamoConfig:
         if self.loss.name not in registered_policy_losses():
             raise ValueError(f"loss.name {self.loss.name!r} is not a registered policy loss "
                              f"(registered: {list(registered_policy_losses())})")
+        from megatron_dynamo.algorithms.prompt_weights import HOMOGENEOUS_LOSSES
+
+        if self.loss.prompt_weight != "rollouts" and (self.loss.name not in HOMOGENEOUS_LOSSES
+                                                      or self.loss.entropy_coef != 0):
+            raise ValueError(f"loss.prompt_weight {self.loss.prompt_weight} weights each token's advantage, which "
+                             f"weights the loss only for {', '.join(HOMOGENEOUS_LOSSES)} with entropy_coef 0; got "
+                             f"loss.name {self.loss.name}, entropy_coef {self.loss.entropy_coef}")
         if self.loss.name == "fork_tokens" and self.loss.loss_agg_mode != "token-mean":
             raise ValueError("loss.name fork_tokens needs loss.loss_agg_mode token-mean (its source's token mean "
                              "over the selected tokens)")

@@ -1,7 +1,8 @@
 """One DynaMO step, stage by stage, each timed (``../shared/notes/DYNAMO.md``):
 
     data -> allocation (rank 0, broadcast) -> rollout (every engine its share) -> reward (each engine leader)
-    -> exchange -> history -> advantages -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
+    -> exchange -> history [-> the same again for a refill of dynamic sampling: trainer/step_sampling.py]
+    -> advantages and prompt weights -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
 
 Every rank runs this function (SPMD). Every rank hosts a vLLM worker; consecutive ranks form engines of
 ``rollout.tensor_parallel`` (``rollout.sharding``). The step's prompts are split over the engines by a rule every rank
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from megatron_dynamo.algorithms.advantages import get_advantage_estimator
 from megatron_dynamo.algorithms.allocation import PromptHistory
 from megatron_dynamo.algorithms.modulation import modulation_scope
+from megatron_dynamo.algorithms.prompt_weights import prompt_weights
 from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_token_values, make_micro_batches,
                                            plan_token_micro_batches, resolve_pack_sequences, scatter_token_values,
                                            shard_for_rank, split_mini_batches)
@@ -77,7 +79,6 @@ class StepRunner:
         from megatron_dynamo.data.templates import render
 
         out = []
-        self.prompts_truncated = 0
         for example in examples:
             ids = self.tokenizer.encode(render(self.template, example.problem), add_special_tokens=False)
             # Left-truncate long prompts (paper: prompts left-truncated to the max prompt length); data.prompt_overflow
@@ -121,12 +122,13 @@ class StepRunner:
             if offload is not None:
                 offload.reload()
 
-    def _rollout_and_reward(self, step, examples, counts, timer):
+    def rollout_and_reward(self, step, examples, counts, timer, round_index: int = 0):
         """Every rank: generate this engine's share of the prompts, score it on the engine leader, exchange.
         Returns (responses as (prompt id, prompt tokens, response tokens), rewards, metrics, the engine's
-        per-token log-probs of each response: NaN where it gave none)."""
+        per-token log-probs of each response: NaN where it gave none). ``round_index`` > 0 (a refill of dynamic
+        sampling, ``trainer/step_sampling.py``): a prompt drawn again in the same step gets other samples."""
         from megatron_dynamo.rollout.exchange import ScoredResponses, gather_rollout
-        from megatron_dynamo.rollout.interface import GenerationRequest
+        from megatron_dynamo.rollout.interface import GenerationRequest, request_seed
         from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
 
         layout = self.engine.layout
@@ -136,7 +138,10 @@ class StepRunner:
         assignment = assign_to_engines(loads, layout.num_engines)
         mine = [i for i, engine in enumerate(assignment) if engine == layout.engine_index]
         index_of = {examples[i].id: i for i in mine}
-        requests = [GenerationRequest(prompt_id=examples[i].id, prompt_token_ids=prompt_tokens[i], count=int(counts[i]))
+        refill_seed = None if round_index == 0 or self.sampling.seed is None else (
+            lambda pid: request_seed(self.sampling.seed, step, f"{pid}\x1fround {round_index}"))
+        requests = [GenerationRequest(prompt_id=examples[i].id, prompt_token_ids=prompt_tokens[i], count=int(counts[i]),
+                                      seed=refill_seed(examples[i].id) if refill_seed else None)
                     for i in mine]
         local, stats, failure = None, None, None
         try:
@@ -174,49 +179,47 @@ class StepRunner:
         return responses, rollout.rewards, reward_metrics, rollout.logprobs
 
     def run_step(self, step: int) -> dict[str, Any]:
-        from megatron_dynamo.rollout.allocation import allocate_counts
+        from megatron_dynamo.trainer.step_sampling import sample_step
 
         run = self.run
         timer = StageTimer()
         start = time.perf_counter()
         rank = dist.get_rank()
-        with timer("data"):
-            examples = self.sampler.next_batch(run.data.prompts_per_step)
-            prompt_ids = [ex.id for ex in examples]
-        with timer("allocation"):
-            allocation = allocate_counts(self.history, prompt_ids, run.dynamo.allocation)
-            counts, variance_ratio = allocation.counts, allocation.predicted_variance_ratio
-        responses, rewards, reward_metrics, engine_logprobs = self._rollout_and_reward(step, examples, counts, timer)
+        self.prompts_truncated = 0  # summed over the step's rounds (_prompts)
+        batch = sample_step(self, step, timer)  # prompts, allocation, rollout, reward, history (every round)
+        responses, rewards = batch.responses, batch.rewards
         with timer("advantages"):
             response_ids = [pid for pid, _, _ in responses]
-            self.history.update(response_ids, np.asarray(rewards) > 0.5)
             estimator = get_advantage_estimator(run.dynamo.advantage_estimator)
             advantages = estimator(torch.tensor(rewards, dtype=torch.float64), response_ids,
                                    normalize_std=run.dynamo.normalize_advantage_std)
+            weights = prompt_weights(response_ids, run.dynamo.loss.prompt_weight)
             samples = [Sample(i, pid, tuple(ptoks), tuple(rtoks), rewards[i], float(advantages[i]),
-                              engine_logp=engine_logprobs[i])
+                              engine_logp=batch.engine_logprobs[i], loss_weight=float(weights[i]))
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
         if rank == 0:
-            self._append_rows("prompts.jsonl", step, prompt_rows(step, prompt_ids, counts, response_ids, rewards))
+            self._append_rows("prompts.jsonl", step, prompt_rows(step, batch.prompt_ids, batch.counts, response_ids,
+                                                                 rewards))
             if run.logging.rollouts:
                 rows = rollout_rows(step, responses, rewards, self.tokenizer.decode)
                 self._append_rows("rollouts.jsonl", step, rows)
         self.current_step = step  # seeds the baselines' random token selection (trainer/token_selection.py)
-        update_metrics = self.update(samples, prompt_ids, timer)
+        update_metrics = self.update(samples, batch.prompt_ids, timer)
         with timer("weight_sync"):
             sync_stats = self._sync_weights(step)
-        counts = np.asarray(counts)
+        counts = np.asarray(batch.counts, dtype=np.int64)
         metrics = {
-            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
-            "rollouts": int(counts.sum()),
-            "alloc_min": int(counts.min()),
-            "alloc_max": int(counts.max()),
-            "variance_ratio": float(variance_ratio),
+            "reward_mean": batch.reward_mean,
+            "rollouts": int(batch.rollouts),
+            "rollouts_trained": int(counts.sum()),
+            "alloc_min": int(counts.min()) if counts.size else 0,
+            "alloc_max": int(counts.max()) if counts.size else 0,
+            "variance_ratio": batch.variance_ratio,
             "alloc_counts": [int(c) for c in counts],
             "reward/prompts_solved_frac": solved_fraction(response_ids, rewards),
             "data/prompts_truncated": self.prompts_truncated,
             **update_metrics,
-            **reward_metrics,
+            **batch.metrics,
             **sync_stats,
             **{f"time/{k}": v for k, v in timer.seconds.items()},
         }

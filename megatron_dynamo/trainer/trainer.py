@@ -146,9 +146,11 @@ class Trainer:
             self.examples = fitting_examples(self.examples, prompt_token_lengths(self.examples, self.tokenizer,
                                                                                  run.data.template),
                                              run.data.max_prompt_tokens)
-        if len(self.examples) < run.data.prompts_per_step:
-            raise TrainingError(f"data.train has {len(self.examples)} usable prompts, fewer than data.prompts_per_step "
-                                f"({run.data.prompts_per_step}): a step never holds a prompt twice")
+        per_round = run.dynamo.sampling.round_prompts(run.data.prompts_per_step)  # prompts_per_step, or a round's
+        if len(self.examples) < per_round:
+            raise TrainingError(f"data.train has {len(self.examples)} usable prompts, fewer than the {per_round} a "
+                                "step draws at once (data.prompts_per_step, x dynamo.sampling.oversample): a step "
+                                "never holds a prompt twice")
         self.sampler = PromptSampler(self.examples, seed=run.data.seed)
         hf_weights = _hf_weight_source(run.model.checkpoint)
         self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
