@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hf_reference import REPO
+from megatron_dynamo.report.ablation_variants import HIGH_LR
 from megatron_dynamo.report.confirmatory import HYPOTHESES, SEEDS, analyse_runs, per_seed_contrast
 from megatron_dynamo.report.confirmatory_tables import committed_blocks, format_tables, replace_block
 from megatron_dynamo.report.paired_stats import holm, paired_t, paired_t_power, t_cdf, t_quantile
@@ -137,10 +138,10 @@ def test_contrasts_tests_and_verdicts_on_known_effects():
     answers = analysis["answers"]
     assert answers["Is GC a constant positive:negative reweighting?"].startswith("yes")
     assert answers["Is DRA's gain variance reduction or curriculum?"].startswith("both")
-    assert answers["Does UMS stabilise GRPO at lr 2e-4?"] == "yes"
+    assert answers[f"Does UMS stabilise GRPO at lr {HIGH_LR}?"] == "yes"
     # no degradation at the high lr: the grid is uninformative, whatever UMS does there
     flat = [{**r, "pass1": r["pass1"] + 0.03} if r["variant"].endswith("-hlr") else r for r in rows]
-    assert analyse_runs(flat)["answers"]["Does UMS stabilise GRPO at lr 2e-4?"].startswith("uninformative")
+    assert analyse_runs(flat)["answers"][f"Does UMS stabilise GRPO at lr {HIGH_LR}?"].startswith("uninformative")
 
 
 def _write_runs(directory, rows):

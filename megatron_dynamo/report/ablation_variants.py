@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 #: The learning rate of the high-lr grid: where GRPO degrades on the mechanism testbed (the probe of issue 32,
 #: benchmarks/RESULTS.md; the recipe's own rate is 5e-5).
-HIGH_LR = "2e-4"
+HIGH_LR = "1.5e-4"
 #: The keys every variant sets explicitly, whatever the recipe says (``dynamo ablate`` refuses them as overrides).
 VARIANT_KEYS = ("dynamo.allocation.enabled", "dynamo.modulation.gc", "dynamo.modulation.ums",
                 "dynamo.allocation.power", "dynamo.modulation.pos_weight", "dynamo.loss.prompt_weight",
