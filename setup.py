@@ -16,6 +16,7 @@ CORE = [
     "math-verify>=0.9,<0.10",
     "pebble>=5.2,<6",  # the reward workers: a process pool that kills and replaces one worker on a per-task timeout
     "numpy",
+    "mpmath",  # Student's t of the preregistered analysis (report/paired_stats.py); torch's sympy needs it anyway
     "pyyaml",
     "tqdm",
     "tensorboard",

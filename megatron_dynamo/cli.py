@@ -5,6 +5,7 @@
     dynamo train           DynaMO / GRPO training from a YAML recipe (the main job)
     dynamo compare         GRPO vs DynaMO variants over seeds: rollouts to reach a reward threshold
     dynamo ablate          the DynaMO ablation (DRA x GC x UMS, power 0.5) over seeds: held-out pass@k with CIs
+    dynamo confirm         the preregistered analysis of an ablation's runs.csv: t intervals, Holm, verdicts
     dynamo eval            pass@1 / pass@k on AIME24/25, AMC23, MATH500, Minerva, OlympiadBench (vLLM + math-verify)
     dynamo data            bring your own data: `data prepare NAME|HUB_ID` fetches and converts a hub math dataset
     dynamo report          one page (PNG + self-contained HTML) of runs' curves: reward, entropy, length, variance
@@ -31,6 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_dynamo.commands.train", "train a policy with DynaMO or GRPO from a YAML recipe"),
     "compare": ("megatron_dynamo.commands.compare", "GRPO vs DynaMO over seeds: rollouts to reach a reward threshold"),
     "ablate": ("megatron_dynamo.commands.ablate", "the DynaMO ablation over seeds: held-out pass@k, effects, CIs"),
+    "confirm": ("megatron_dynamo.commands.confirm", "the preregistered tables of an ablation's runs.csv (docs/results/testbed.md)"),
     "launch": ("megatron_dynamo.commands.launch", "cluster recipes (1.5B/7B/14B, conversion) via nemo-run"),
     "eval": ("megatron_dynamo.commands.eval", "pass@1 / pass@k of a checkpoint on the paper's six benchmarks"),
     "data": ("megatron_dynamo.commands.data", "fetch / convert hub math datasets to <out>/<name>.jsonl (data prepare)"),

@@ -64,7 +64,8 @@ def keys_section(cls) -> tuple[str, dict[str, tuple[str, str]]]:
 def choices() -> dict[str, tuple]:
     """The values a choice key accepts, from the constants and registries its validation checks against."""
     from megatron_dynamo.algorithms.advantages import registered_advantage_estimators
-    from megatron_dynamo.algorithms.config import DELTA_H_MODES, ENGINE_IS_MODES, LOSS_AGG_MODES, SCOPE_SOURCES
+    from megatron_dynamo.algorithms.config import (DELTA_H_MODES, ENGINE_IS_MODES, LOSS_AGG_MODES, PROMPT_WEIGHTS,
+                                                   SCOPE_SOURCES)
     from megatron_dynamo.algorithms.losses import registered_policy_losses
     from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
     from megatron_dynamo.data.templates import list_templates
@@ -79,7 +80,8 @@ def choices() -> dict[str, tuple]:
             "rollout.placement": PLACEMENTS, "trainer.old_logprob_pass": OLD_LOGPROB_PASSES,
             "dynamo.advantage_estimator": tuple(registered_advantage_estimators()),
             "dynamo.loss.name": tuple(registered_policy_losses()), "dynamo.loss.loss_agg_mode": LOSS_AGG_MODES,
-            "dynamo.loss.engine_is": ENGINE_IS_MODES, "dynamo.modulation.delta_h": DELTA_H_MODES,
+            "dynamo.loss.engine_is": ENGINE_IS_MODES, "dynamo.loss.prompt_weight": PROMPT_WEIGHTS,
+            "dynamo.modulation.delta_h": DELTA_H_MODES,
             "dynamo.modulation.scope": SCOPE_SOURCES, "trainer.pack_sequences": PACK_SEQUENCES,
             "logging.wandb.mode": WANDB_MODES}
 

@@ -19,8 +19,8 @@ d_s = x_As - x_Bs over seeds (both variants start from the same SFT model and se
 2. **Seed-to-seed variance.** Var_s(d_s) over the pilot's seeds estimates sigma_train^2 + V_eval(P0, n0) at the pilot's
    P0, n0; sigma_train^2 = Var_s(d_s) - mean_s V_eval,s (at least 0) is the part that more evaluation cannot remove.
 3. **Design.** With S seeds, Var(mean d) = (sigma_train^2 + V_eval(P, n)) / S; a two-sided test at 5% has power
-   1 - beta against an effect delta when delta / sqrt(Var) >= t_{S-1, 0.975} + t_{S-1, power} (Student t, computed
-   here by numerical integration: no scipy). Cost: one run takes t_train + P n t_gen seconds (t_train and the
+   1 - beta against an effect delta when delta / sqrt(Var) >= t_{S-1, 0.975} + t_{S-1, power} (Student t:
+   megatron_dynamo/report/paired_stats.py). Cost: one run takes t_train + P n t_gen seconds (t_train and the
    per-sample generation time t_gen from the pilot's logs), runs go ``--jobs`` at a time, so a design of
    V variants x S seeds takes about ceil(V S / jobs) run times plus the shared SFT warm-up. The script lists, for
    each S, the smallest evaluation that reaches the power and the wall time it needs, and picks the cheapest design
@@ -28,6 +28,14 @@ d_s = x_As - x_Bs over seeds (both variants start from the same SFT model and se
 
 With a pilot of 3 seeds sigma_train^2 has 2 degrees of freedom: its upper 80% bound (chi-square) is printed beside
 the point estimate, and the choice is made at the point estimate (say so when quoting it).
+
+    python scripts/power_calc.py --preregistration
+
+prints the power table of the preregistered confirmatory replication (issue 32; docs/ablation.md, Preregistration):
+for each preregistered test its expected standard error at 10 seeds (8 for the high-lr grid) and 1500 held-out
+problems x 8 samples, derived from the 2026-11-25 testbed run (:data:`PREREGISTRATION_INPUTS`), and the power of
+the two-sided paired t test (the noncentral t, ``paired_t_power``) against the stated effects, at alpha 0.05 and at
+0.005 (Holm's first step over the 10 tests).
 """
 
 from __future__ import annotations
@@ -41,29 +49,41 @@ from pathlib import Path
 
 import numpy as np
 
-
-def _student_t_cdf(x: float, df: int) -> float:
-    """CDF of Student's t by Simpson integration of the density (enough for quantiles to 1e-6)."""
-    if df <= 0:
-        raise ValueError("df must be >= 1")
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    grid = np.linspace(0.0, abs(x), 20001)
-    density = np.exp(log_c - (df + 1) / 2 * np.log1p(grid ** 2 / df))
-    h = grid[1] - grid[0] if len(grid) > 1 else 0.0
-    area = h / 3 * (density[0] + density[-1] + 4 * density[1:-1:2].sum() + 2 * density[2:-1:2].sum())
-    return 0.5 + math.copysign(area, x)
-
-
-def t_quantile(q: float, df: int) -> float:
-    lo, hi = -60.0, 60.0
-    for _ in range(80):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _student_t_cdf(mid, df) < q else (lo, mid)
-    return (lo + hi) / 2
+from megatron_dynamo.report.paired_stats import paired_t_power, t_quantile
 
 
 def _chi2_quantile(q: float, df: int, draws: int = 400_000) -> float:
     return float(np.quantile(np.random.default_rng(0).chisquare(df, draws), q))
+
+
+# Measured on the 2026-11-25 testbed run (docs/results/testbed.md, "The paper's Tables 1 and 2 on the mechanism
+# testbed"; evaluation 1000 problems x 8): the evaluation noise of one paired difference, problem-clustered, 0.236
+# points^2, and the training variance sigma_train^2 = 0 (all of the seed-to-seed spread was evaluation noise). At 1500
+# problems the evaluation part shrinks by 1000/1500: V = 0.157 points^2 per paired difference and seed. A marginal
+# effect averages 4 paired differences: V / 4 if they were independent; its measured per-seed variances (5 seeds,
+# rounded per-seed values) were 0.155 (DRA), 0.068 (GC), 0.075 (UMS) points^2 at 1000 problems, x 2/3 at 1500.
+PAIR_VARIANCE = 0.236 * 1000 / 1500
+PREREGISTRATION_INPUTS = (  # (test, per-seed variance in points^2 at 1500 x 8, seeds, effects to power against)
+    ("H1 DynaMO - GRPO", PAIR_VARIANCE, 10, (0.3, 0.57)),
+    ("H2 DRA marginal", 0.155 * 2 / 3, 10, (0.22, 0.6)),
+    ("H3 GC marginal", 0.068 * 2 / 3, 10, (0.14, 0.3)),
+    ("H4 UMS marginal", 0.075 * 2 / 3, 10, (0.25, 0.3)),
+    ("C1-C3 one paired difference", PAIR_VARIANCE, 10, (0.3, 0.5)),
+    ("C4 UMS marginal at the high lr (2 pairs)", PAIR_VARIANCE / 2, 8, (0.3, 0.5)),
+)
+
+
+def preregistration_table() -> str:
+    """The Markdown power table of the preregistration (module docstring)."""
+    lines = ["| test | seeds | expected SE (points) | effect (points) | power, alpha 0.05 | power, alpha 0.005 |",
+             "|---|---|---|---|---|---|"]
+    for name, variance, seeds, effects in PREREGISTRATION_INPUTS:
+        se = math.sqrt(variance / seeds)
+        for effect in effects:
+            lines.append(f"| {name} | {seeds} | {se:.3f} | {effect:+.2f} | "
+                         f"{paired_t_power(effect, se, seeds - 1, 0.05):.2f} | "
+                         f"{paired_t_power(effect, se, seeds - 1, 0.005):.2f} |")
+    return "\n".join(lines)
 
 
 def read_samples(run_dir: Path) -> dict[str, np.ndarray]:
@@ -120,7 +140,9 @@ def required_seeds(sigma2_train: float, v_eval: float, effect: float, power: flo
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pilot", help="a dynamo ablate output directory with runs/<variant>/seed<S>/")
+    parser.add_argument("pilot", nargs="?", help="a dynamo ablate output directory with runs/<variant>/seed<S>/")
+    parser.add_argument("--preregistration", action="store_true",
+                        help="print the power table of the preregistered replication (issue 32) and exit")
     parser.add_argument("--variants", default="dynamo,grpo", help="the two pilot variants A,B (default dynamo,grpo)")
     parser.add_argument("--effect", type=float, default=1.5, help="effect to resolve, points of pass@1 (default 1.5)")
     parser.add_argument("--power", type=float, default=0.8, help="power at 5%% two-sided (default 0.8)")
@@ -137,6 +159,11 @@ def main(argv=None) -> int:
                              "(w_A + w_B; conservative) instead of the measured paired mismatch")
     parser.add_argument("--json", default=None, help="write the numbers here")
     args = parser.parse_args(argv)
+    if args.preregistration:
+        print(preregistration_table())
+        return 0
+    if args.pilot is None:
+        parser.error("give a pilot directory, or --preregistration")
     if not 0 < args.power < 1 or args.effect <= 0 or args.jobs < 1 or args.minutes <= 0:
         parser.error("need 0 < --power < 1, --effect > 0, --jobs >= 1, --minutes > 0")
     pilot = Path(args.pilot)

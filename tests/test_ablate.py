@@ -16,6 +16,7 @@ import yaml
 from hf_reference import REPO
 from megatron_dynamo.cli import build_parser
 from megatron_dynamo.commands import ablate
+from megatron_dynamo.report.ablation_variants import CONTROLS, HIGH_LR
 from megatron_dynamo.report.ablation import (BASELINES, GROUPS, PAPER_AVG, PAPER_ORDER, TABLE1_ORDER, VARIANTS, analyse,
                                              bootstrap_ci, format_markdown, main_table, marginal_effect,
                                              paired_differences, parse_variants, realised_variance_ratio,
@@ -150,12 +151,13 @@ def test_table_rows_follow_the_paper_order_with_its_labels():
 def test_variant_groups_and_the_baselines_registry():
     from megatron_dynamo.trainer.config import ALGORITHMS, load_run_config
 
-    assert parse_variants("ablation") == list(GROUPS["ablation"]) == [n for n in VARIANTS if n not in BASELINES]
+    assert parse_variants("ablation") == list(GROUPS["ablation"]) == [n for n in VARIANTS
+                                                                       if VARIANTS[n].kind == "ablation"]
     assert parse_variants("table1") == ["grpo", "clip_higher", "entropy_loss", "fork_tokens", "entropy_adv",
                                         "clip_cov", "kl_cov", "w_reinforce", "dynamo"] == list(TABLE1_ORDER)
     both = parse_variants("table1,ablation")
     assert len(both) == 16 == len(set(both)) and both[:9] == list(TABLE1_ORDER)  # grpo, dynamo once each
-    assert sorted(parse_variants("all")) == sorted(both) == sorted(VARIANTS)
+    assert sorted(parse_variants("all")) == sorted(both) == sorted(n for n in VARIANTS if n not in CONTROLS)
     assert parse_variants("kl_cov,table1")[:2] == ["kl_cov", "grpo"]
     for bad in ("table1,table1", "kl_cov,kl_cov", "table2"):
         with pytest.raises(ValueError):
@@ -168,6 +170,41 @@ def test_variant_groups_and_the_baselines_registry():
                               algo=name)
         assert not run.dynamo.allocation.enabled and not run.dynamo.modulation.gc and not run.dynamo.modulation.ums
     assert all(VARIANTS[n].algo == "dynamo" for n in GROUPS["ablation"])
+
+
+def test_the_controls_are_variants_that_change_only_their_own_keys():
+    from megatron_dynamo.trainer.config import load_run_config
+
+    recipe = os.path.join(REPO, "configs", "cpu_testbed.yaml")
+    assert parse_variants("confirmatory") == [*GROUPS["factorial"], "pos_weight", "dra-equal", "grpo+ds", "dynamo+ds"]
+    assert len(GROUPS["factorial"]) == 8 and "dynamo-p0.5" not in GROUPS["factorial"]
+    assert parse_variants("high_lr") == ["grpo-hlr", "ums-hlr", "gc-hlr", "gc+ums-hlr"]
+    base = {name: load_run_config(recipe, list(VARIANTS[name].overrides()), algo=VARIANTS[name].algo)
+            for name in ("grpo", "gc", "dra", "dynamo", "ums", "gc+ums", "clip_cov")}
+    expected = {  # control: (its reference, the config as the reference's with these changes)
+        "pos_weight": ("grpo", lambda r: (r.dynamo.modulation.pos_weight, r.dynamo.modulation.gc), (True, False)),
+        "dra-equal": ("dra", lambda r: r.dynamo.loss.prompt_weight, "equal"),
+        "grpo+ds": ("grpo", lambda r: r.dynamo.sampling.dynamic, True),
+        "dynamo+ds": ("dynamo", lambda r: r.dynamo.sampling.dynamic, True),
+        "grpo-hlr": ("grpo", lambda r: r.optim.lr, float(HIGH_LR)),
+        "ums-hlr": ("ums", lambda r: r.optim.lr, float(HIGH_LR)),
+        "gc-hlr": ("gc", lambda r: r.optim.lr, float(HIGH_LR)),
+        "gc+ums-hlr": ("gc+ums", lambda r: r.optim.lr, float(HIGH_LR)),
+        "clip_cov_authors": ("clip_cov", lambda r: (r.dynamo.loss.clip_low, r.dynamo.loss.clip_high), (1.0, 1.0)),
+    }
+    assert set(expected) == set(CONTROLS)
+    for name, (reference, read, value) in expected.items():
+        run = load_run_config(recipe, list(VARIANTS[name].overrides()), algo=VARIANTS[name].algo)
+        assert read(run) == value and read(base[reference]) != value, name
+        # nothing else differs from the reference (the budget included)
+        undo = {"pos_weight": ["dynamo.modulation.pos_weight=false"], "dra-equal": ["dynamo.loss.prompt_weight=rollouts"],
+                "clip_cov_authors": ["dynamo.loss.clip_low=0.2", "dynamo.loss.clip_high=0.2"]}.get(
+            name, ["dynamo.sampling.dynamic=false"] if name.endswith("+ds") else ["optim.lr=5e-5"])
+        again = load_run_config(recipe, list(VARIANTS[name].overrides()) + undo, algo=VARIANTS[name].algo)
+        assert again == base[reference], name
+    # every variant sets the same explicit keys, so a recipe cannot leak a control's switch into another variant
+    keys = {tuple(item.split("=")[0] for item in v.overrides()[:7]) for v in VARIANTS.values()}
+    assert keys == {ablate.VARIANT_KEYS}
 
 
 def test_paper_tables_are_transcribed_consistently():
@@ -283,6 +320,11 @@ class FakeTrainer:
             if step == steps:
                 final = 0.4 + 0.05 * dra + 0.02 * gc + 0.01 * ums + 0.01 * seed + 0.004 * (power < 1) + bump
                 row.update({"eval/held/pass@1": final, "eval/avg/pass@1": final, "eval/avg/pass@4": final + 0.1})
+                samples = out / "eval" / f"step_{steps:06d}"  # two held-out problems x 4 samples
+                samples.mkdir(parents=True, exist_ok=True)
+                (samples / "samples.jsonl").write_text("".join(
+                    json.dumps({"benchmark": "held", "problem_id": f"q{p}", "sample_index": j,
+                                "correct": j < p + dra + seed % 2}) + "\n" for p in range(2) for j in range(4)))
             rows.append(row)
             counts = [4, 12] if dra else [8, 8]
             prompts += [{"step": step, "prompt_id": i, "count": c, "correct": c // (i + 2)}
@@ -325,8 +367,8 @@ def _args(recipe, out, *extra):
 def _kind(command):
     kv = dict(item.split("=", 1) for item in command if "=" in item)
     algo = command[command.index("--algo") + 1]
-    variant = next((name for name, v in VARIANTS.items() if v.algo == algo
-                    and all(item in command for item in v.overrides())), None)
+    matches = [name for name, v in VARIANTS.items() if v.algo == algo and all(item in command for item in v.overrides())]
+    variant = max(matches, key=lambda name: len(VARIANTS[name].overrides()), default=None)  # a control's extra too
     return ("sft" if kv.get("trainer.steps") == "0" else variant, int(kv["trainer.seed"]), "--resume" in command)
 
 
@@ -394,6 +436,41 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
     assert (out / "ablation.png").stat().st_size > 0 and (out / "report" / "report.html").is_file()
     plan = json.loads((out / ablate.PLAN_FILE).read_text())
     assert plan["seeds"] == [1, 2] and plan["budget"]["rollouts_per_step"] == 32 * 8
+
+
+def test_raw_data_holds_every_finished_run_of_the_plan(recipe, tmp_path, capsys):
+    import gzip
+
+    out, raw = tmp_path / "r", tmp_path / "raw"
+    fake = FakeTrainer(sft_per_seed=False)
+    assert ablate.run(_args(recipe, out, "--seeds", "1", "--variants", "grpo,pos_weight,grpo-hlr", "--shared-sft",
+                            "--raw-data", str(raw)), launch=fake) == 0
+    assert sorted(_kind(c)[0] for c in fake.calls) == ["grpo", "grpo-hlr", "pos_weight", "sft"]
+    # a second call adds a seed and a variant; the raw data then covers both calls' runs (the plan's union)
+    assert ablate.run(_args(recipe, out, "--seeds", "2", "--variants", "dra", "--shared-sft", "--raw-data", str(raw)),
+                      launch=FakeTrainer(sft_per_seed=False)) == 0
+    lines = (raw / "runs.csv").read_text().splitlines()
+    assert lines[0] == "variant,seed,pass1,passk,k,train_rollouts,steps,wall_seconds"
+    rows = [line.split(",") for line in lines[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("sft", str(RECIPE_SEED)), ("dra", "2"), ("grpo", "1"),
+                                            ("pos_weight", "1"), ("grpo-hlr", "1")]  # the tables' order
+    grpo = dict(zip(lines[0].split(","), rows[2]))
+    assert float(grpo["pass1"]) == pytest.approx(0.41) and float(grpo["passk"]) == pytest.approx(0.51)
+    assert grpo["k"] == "4" and grpo["train_rollouts"] == str(32 * STEPS) and grpo["steps"] == str(STEPS)
+    assert float(grpo["wall_seconds"]) >= 0
+    sft = dict(zip(lines[0].split(","), rows[0]))
+    assert (sft["train_rollouts"], sft["steps"]) == ("0", "0")
+    with gzip.open(raw / "problems.csv.gz", "rt") as f:
+        problems = f.read().splitlines()
+    assert problems[0] == "variant,seed,benchmark,problem_id,samples,correct"
+    # the fake's samples: problem p has min(4, p + dra + seed % 2) correct of 4
+    assert problems[1:] == ["dra,2,held,q0,4,1", "dra,2,held,q1,4,2", "grpo,1,held,q0,4,1", "grpo,1,held,q1,4,2",
+                            "pos_weight,1,held,q0,4,1", "pos_weight,1,held,q1,4,2", "grpo-hlr,1,held,q0,4,1",
+                            "grpo-hlr,1,held,q1,4,2"]
+    first = (raw / "problems.csv.gz").read_bytes()
+    assert ablate.run(_args(recipe, out, "--seeds", "2", "--variants", "dra", "--shared-sft", "--raw-data", str(raw)),
+                      launch=FakeTrainer(sft_per_seed=False)) == 0
+    assert (raw / "problems.csv.gz").read_bytes() == first  # no timestamp: the same runs give the same bytes
 
 
 def test_sigint_stops_an_ablation_started_with_sigint_ignored(recipe, tmp_path, capsys):
@@ -515,6 +592,7 @@ def test_ablate_help_documents_every_option():
     out = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "ablate", "--help"], capture_output=True,
                          text=True, check=True, cwd=REPO).stdout
     for option in ("--seeds", "--variants", "--jobs", "--threshold", "--window", "--bootstrap", "--output-dir",
+                   "--raw-data", "runs.csv", "controls", "high_lr", "confirmatory",
                    "key=value", "dynamo-p0.5", "Resume", "--resume", "table1", "w_reinforce", "--algo NAME"):
         assert option in out, option
 

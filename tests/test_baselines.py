@@ -192,7 +192,24 @@ def test_every_baseline_is_grpo_plus_its_change():
         assert run.dynamo.allocation == grpo.dynamo.allocation and run.dynamo.modulation == grpo.dynamo.modulation
         expected = {"clip_higher": "ppo_clip"}.get(name, name)
         assert run.dynamo.loss.name == expected
-    assert load_run_config(CPU_DEFAULT, [], algo="w_reinforce").dynamo.advantage_estimator == "reinforce_pm1"
+    w_reinforce = load_run_config(CPU_DEFAULT, [], algo="w_reinforce").dynamo
+    assert w_reinforce.advantage_estimator == "reinforce_pm1"
+    # issue 32: W-REINFORCE without the dual clip (its source has none); the others keep the recipe's c = 3
+    assert w_reinforce.loss.clip_ratio_c is None and grpo.dynamo.loss.clip_ratio_c == 3.0
+    assert all(load_run_config(CPU_DEFAULT, [], algo=n).dynamo.loss.clip_ratio_c == 3.0 for n in BASELINES
+               if n != "w_reinforce")
+    # Clip-COV's authors' clip 1 / 1 is accepted (a lower ratio bound of 0)
+    authors = load_run_config(CPU_DEFAULT, ["dynamo.loss.clip_low=1", "dynamo.loss.clip_high=1"], algo="clip_cov")
+    assert (authors.dynamo.loss.clip_low, authors.dynamo.loss.clip_high) == (1.0, 1.0)
+
+
+def test_w_reinforce_without_the_dual_clip_keeps_the_gradient_of_far_negative_tokens():
+    # A = -1 at ratio e^1.5 = 4.5 > c = 3: the dual clip would take its gradient; W-REINFORCE now keeps it
+    cfg = PolicyLossConfig(name="w_reinforce", clip_ratio_c=None)
+    out, grad = _grad("w_reinforce", [1.5], [0.0], [-1.0], cfg)
+    assert grad[0] == pytest.approx(math.exp(1.5))  # d(-A r)/dlogp = r for A = -1: unclipped above
+    dual = PolicyLossConfig(name="w_reinforce", clip_ratio_c=3.0)
+    assert _grad("w_reinforce", [1.5], [0.0], [-1.0], dual)[1][0] == 0.0
 
 
 def test_an_unregistered_loss_name_is_refused_by_the_trainer_config():

@@ -217,11 +217,12 @@ def test_registry():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(clip_low=1.0), "clip_low"), (dict(clip_high=-0.1), "clip_high"), (dict(clip_ratio_c=1.0), "clip_ratio_c"),
+    (dict(clip_low=1.01), "clip_low"), (dict(clip_high=-0.1), "clip_high"), (dict(clip_ratio_c=1.0), "clip_ratio_c"),
     (dict(kl_coef=-1.0), "kl_coef"), (dict(entropy_coef=float("nan")), "entropy_coef"),
-    (dict(loss_agg_mode="mean"), "loss_agg_mode"), (dict(name=""), "name"),
+    (dict(loss_agg_mode="mean"), "loss_agg_mode"), (dict(name=""), "name"), (dict(prompt_weight="tokens"), "prompt_weight"),
 ])
 def test_policy_loss_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PolicyLossConfig(**kwargs).validate()
     PolicyLossConfig(clip_ratio_c=None).validate()
+    PolicyLossConfig(clip_low=1.0, clip_high=1.0).validate()  # Clip-COV's authors' clip: ratio in [0, 2]

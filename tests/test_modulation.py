@@ -145,6 +145,34 @@ def test_all_switches_off_is_plain_grpo():
     assert torch.equal(got, fields["advantages"].unsqueeze(-1).expand_as(got)) and stats == {}
 
 
+@pytest.mark.parametrize("ums", [False, True])
+def test_pos_weight_is_gcs_cap_on_every_positive_token(ums):
+    """The control for GC (issue 32): every A > 0 token x (1 + alpha), whatever its entropy; the rest as without GC.
+    It equals GC exactly where every positive token sits at the scope's H_min, and nowhere else."""
+    fields, raw = make_batch()
+    cfg = ModulationConfig(gc=False, ums=ums, pos_weight=True, alpha=0.3)
+    got, stats = call_modulate(fields, cfg)
+    plain, _ = call_modulate(fields, ModulationConfig(gc=False, ums=ums))
+    token_adv = fields["advantages"].unsqueeze(-1).expand_as(got)
+    valid = fields["mask"]
+    positive = valid & (token_adv > 0)
+    if ums:  # plain is A x beta_stab; the positive tokens get 1.3 on top
+        assert torch.allclose(got[positive], 1.3 * plain[positive], rtol=1e-12)
+    else:
+        assert torch.equal(got[positive], 1.3 * token_adv[positive])
+        assert torch.equal(got[valid & ~positive], token_adv[valid & ~positive])
+    assert stats["modulation/beta_comp_mean_pos"].item() == pytest.approx(1.3)
+    gc, _ = call_modulate(fields, ModulationConfig(gc=True, ums=ums))
+    assert not torch.allclose(gc[positive], got[positive])  # GC follows the entropy here
+    # all positive tokens at H_min: GC's factor is its cap, pos_weight is GC
+    flat = dict(fields, entropy=torch.where(token_adv > 0, fields["entropy"][valid].min(), fields["entropy"]))
+    assert torch.allclose(call_modulate(flat, ModulationConfig(gc=True, ums=ums))[0][valid],
+                          call_modulate(flat, cfg)[0][valid], rtol=1e-12)
+    with pytest.raises(ValueError, match="pos_weight must be false with gc true"):
+        ModulationConfig(gc=True, pos_weight=True).validate()
+    assert not ModulationConfig(gc=False, ums=False).enabled and cfg.enabled
+
+
 def test_delta_h_exact_is_the_first_order_entropy_change():
     # Move the logits as Lemma 1 says, z' = z + eta xi (e_a - pi), and compare H(z') - H(z) with eta * Delta H.
     fields, raw = make_batch()

@@ -32,8 +32,9 @@ def _batch(step=3, version=1) -> RolloutBatch:
                                 rewards=[1.0, 0.0, 0.0, 1.0],
                                 logprobs=[(-0.5, -1.25, -2.0), (-0.125,), (), None])
     return RolloutBatch(step=step, version=version, example_indices=[7, 2, 11], prompt_tokens=[(1, 2), (3,), (4, 4, 4)],
-                        counts=[2, 1, 1], variance_ratio=0.875, responses=responses, history_index=[0, 0, 1, 2],
-                        history_correct=[1, 0, 0, 1], sampler_state={"epoch": 1, "position": 5, "epoch_front": [3]},
+                        counts=[2, 1, 1], variance_ratio=0.875, responses=responses,
+                        history_index=[7, 7, 2, 11, 5, 5], history_correct=[1, 0, 0, 1, 1, 1], history_updates=[4, 2],
+                        sampler_state={"epoch": 1, "position": 5, "epoch_front": [3]}, rollouts=6, reward_mean=2 / 3,
                         metrics={"reward/correct": 2.0, "phase/generate": [1.5, 2.5]}, stop_signal=15)
 
 
@@ -43,6 +44,8 @@ def _same(a: RolloutBatch, b: RolloutBatch) -> None:
         (b.step, b.version, b.example_indices, b.prompt_tokens, b.counts, b.variance_ratio)
     assert (a.history_index, a.history_correct, a.sampler_state, a.metrics, a.stop_signal) == \
         (b.history_index, b.history_correct, b.sampler_state, b.metrics, b.stop_signal)
+    assert (a.history_updates, a.rollouts, a.reward_mean) == (b.history_updates, b.rollouts, b.reward_mean)
+    assert b.history_rounds() == [([7, 7, 2, 11], [1, 0, 0, 1]), ([5, 5], [1, 1])]
     for name in ("prompt_index", "sample_index", "token_ids", "truncated", "rewards"):
         assert getattr(a.responses, name) == getattr(b.responses, name), name
     # log-probs travel as float64 (exact); a response without them comes back as NaN, one per token

@@ -35,7 +35,8 @@ BASELINES: dict[str, dict[str, Any]] = {
     "entropy_adv": {"loss": {"name": "entropy_adv"}},
     "clip_cov": {"loss": {"name": "clip_cov"}},
     "kl_cov": {"loss": {"name": "kl_cov"}},
-    "w_reinforce": {"loss": {"name": "w_reinforce"}, "advantage_estimator": "reinforce_pm1"},
+    # W-REINFORCE without the dual clip (c = None): its source's PPO clip has none (issue 32)
+    "w_reinforce": {"loss": {"name": "w_reinforce", "clip_ratio_c": None}, "advantage_estimator": "reinforce_pm1"},
 }
 #: policy losses that need ``selection`` (a mini-batch-wide choice of tokens made before the update)
 SELECTION_LOSSES = ("fork_tokens", "clip_cov", "kl_cov")
@@ -175,7 +176,10 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg: PolicyLossConfig, *, gl
                   seq_ids=None, entropy=None, selection=None) -> PolicyLossOutput:
     """Clip-COV (Cui et al. 2025; verl ``compute_policy_loss_clip_cov``): per token
     max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (no dual clip), times 0 on the ``selection`` tokens
-    (``clip_cov_selection``), so they contribute no gradient; aggregated like every loss here."""
+    (``clip_cov_selection``), so they contribute no gradient; aggregated like every loss here. The PPO clip is the
+    run's (``dynamo.loss.clip_low`` / ``clip_high``, 0.2 / 0.2 by default); the authors' recipes (verl
+    ``recipe/entropy``) set both to 1, i.e. the ratio bounded to [0, 2]: ``dynamo.loss.clip_low=1
+    dynamo.loss.clip_high=1`` (``dynamo ablate``'s variant ``clip_cov_authors``)."""
     chosen = _need(selection, "selection", "clip_cov").to(logp.dtype)
     advantages = to_token_shape(advantages, logp).detach().to(logp.dtype)
     ratio = policy_ratio(logp, old_logp)
@@ -216,7 +220,8 @@ def w_reinforce_loss(logp, old_logp, advantages, mask, cfg: PolicyLossConfig, *,
                      seq_ids=None, entropy=None, selection=None) -> PolicyLossOutput:
     """W-REINFORCE (Zhu et al. 2025, "The surprising effectiveness of negative reinforcement"): lambda * L_PSR +
     L_NSR, i.e. positive advantages scaled by lambda = ``w_reinforce_lambda`` 0.1 (their setting), negative ones
-    kept, with the ``reinforce_pm1`` advantages (+1 / -1); through the PPO clip (their verl setup)."""
+    kept, with the ``reinforce_pm1`` advantages (+1 / -1); through the PPO clip of their verl setup, without the
+    dual clip (``BASELINES`` sets clip_ratio_c to None; with it, A = -1 tokens at r > c lost their gradient)."""
     advantages = to_token_shape(advantages, logp).detach().to(logp.dtype)
     weighted = torch.where(advantages > 0, cfg.w_reinforce_lambda * advantages, advantages)
     return ppo_clip_loss(logp, old_logp, weighted, mask, cfg, global_denominator=global_denominator, seq_ids=seq_ids)

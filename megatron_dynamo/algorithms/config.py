@@ -1,6 +1,6 @@
 """Configuration of the DynaMO algorithm core, with the paper's values as defaults.
 
-Three small frozen dataclasses that the trainer's config system embeds. Each has ``validate()``, which raises a
+The small frozen dataclasses that the trainer's config system embeds. Each has ``validate()``, which raises a
 ``ValueError`` naming the offending field, so a bad configuration is reported before any work starts.
 Defaults: paper section 2 / appendix I (table 3), and ``docs/algorithm.md`` where the paper gives no value.
 """
@@ -16,6 +16,8 @@ DELTA_H_MODES = ("exact", "sequence_mean")
 # weights before each later mini-batch (exact for every mini-batch, one more forward over it).
 SCOPE_SOURCES = ("old_policy", "current_policy")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+#: dynamo.loss.prompt_weight: how much a prompt's responses weigh in the loss (algorithms/prompt_weights.py).
+PROMPT_WEIGHTS = ("rollouts", "equal")
 #: dynamo.loss.engine_is: how the trainer corrects for the engine/trainer log-prob gap (losses.engine_importance_weights).
 ENGINE_IS_MODES = ("off", "truncate", "mask")
 
@@ -91,6 +93,9 @@ class ModulationConfig:
             (the public reference code's approximation).
         scope: where a mini-batch's H_min, H_max and max Xi come from: ``old_policy`` (the old-log-prob pass, no
             extra forward) or ``current_policy`` (one no-grad forward before each later mini-batch; exact).
+        pos_weight: a control for GC, not part of DynaMO: every token with A > 0 gets GC's cap 1 + ``alpha`` as its
+            factor whatever its entropy (a constant positive:negative reweighting; GC's beta_comp lies in
+            [1, 1 + alpha] and sits at the cap where H_t is near the mini-batch's H_min); needs ``gc`` false.
     """
 
     gc: bool = True
@@ -101,9 +106,10 @@ class ModulationConfig:
     lambda_min: float = 0.6
     delta_h: str = "exact"
     scope: str = "old_policy"
+    pos_weight: bool = False
 
     def validate(self) -> "ModulationConfig":
-        for name in ("gc", "ums"):
+        for name in ("gc", "ums", "pos_weight"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModulationConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_real(self.alpha) or self.alpha < 0:
@@ -118,12 +124,15 @@ class ModulationConfig:
             raise ValueError(f"ModulationConfig.delta_h must be one of {DELTA_H_MODES}, got {self.delta_h!r}")
         if self.scope not in SCOPE_SOURCES:
             raise ValueError(f"ModulationConfig.scope must be one of {SCOPE_SOURCES}, got {self.scope!r}")
+        if self.gc and self.pos_weight:
+            raise ValueError("ModulationConfig.pos_weight must be false with gc true (pos_weight replaces GC's "
+                             "beta_comp by its cap 1 + alpha: set gc false)")
         return self
 
     @property
     def enabled(self) -> bool:
-        """True when at least one of the two factors is applied."""
-        return self.gc or self.ums
+        """True when at least one factor (beta_comp, beta_stab or the constant positive weight) is applied."""
+        return self.gc or self.ums or self.pos_weight
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,8 @@ class PolicyLossConfig:
 
     Keys:
         name: the registered policy loss; ``--algo`` sets it for the baselines.
-        clip_low {[0, 1)}: the ratio's lower bound is 1 - clip_low.
+        clip_low {[0, 1]}: the ratio's lower bound is 1 - clip_low (1: no lower clip; Clip-COV's authors run
+            clip_low = clip_high = 1).
         clip_high {>= 0}: the ratio's upper bound is 1 + clip_high, exactly as given (the reference code used 0.28).
         clip_ratio_c {> 1}: the dual-clip constant for A < 0; null: no dual clip.
         kl_coef {0}: the weight of the k3 KL estimator against a reference policy (this trainer has none: 0).
@@ -143,6 +153,11 @@ class PolicyLossConfig:
             token: ``off``; ``truncate`` (weight min(pi_old / pi_engine, cap)); ``mask`` (drop tokens whose ratio
             lies outside [1 / cap, cap]) (``docs/rollout.md``).
         engine_is_cap {> 1}: the cap of ``engine_is``; > 1.
+        prompt_weight: how much a prompt's responses weigh in the loss: ``rollouts`` (each response counts once, so
+            a prompt with n responses weighs n times one response, as in every GRPO trainer) or ``equal`` (a
+            prompt's responses weighted by mean n / n_i, so every prompt weighs what it would under a uniform
+            allocation whatever its n_i; ``algorithms/prompt_weights.py``); ``equal`` needs a loss homogeneous in
+            the advantage (``ppo_clip``, ``w_reinforce`` or ``clip_cov``) and ``entropy_coef`` 0.
         entropy_loss_coef {>= 0}: ``entropy_loss``: the weight of the entropy term.
         fork_top_ratio {(0, 1]}: ``fork_tokens``: the share of highest-entropy tokens that get a gradient.
         entropy_adv_alpha {>= 0}: ``entropy_adv``: the entropy's weight in the advantage.
@@ -164,6 +179,7 @@ class PolicyLossConfig:
     loss_agg_mode: str = "token-mean"
     engine_is: str = "off"
     engine_is_cap: float = 2.0
+    prompt_weight: str = "rollouts"
     # The baselines of the paper's Table 1 (``algorithms/baselines.py``, sources and defaults cited there); each is
     # read only by the policy loss of its name.
     entropy_loss_coef: float = 0.001
@@ -178,8 +194,8 @@ class PolicyLossConfig:
     w_reinforce_lambda: float = 0.1
 
     def validate(self) -> "PolicyLossConfig":
-        if not _is_real(self.clip_low) or not 0 <= self.clip_low < 1:
-            raise ValueError(f"PolicyLossConfig.clip_low must lie in [0, 1), got {self.clip_low!r}")
+        if not _is_real(self.clip_low) or not 0 <= self.clip_low <= 1:
+            raise ValueError(f"PolicyLossConfig.clip_low must lie in [0, 1], got {self.clip_low!r}")
         if not _is_real(self.clip_high) or self.clip_high < 0:
             raise ValueError(f"PolicyLossConfig.clip_high must be a finite number >= 0, got {self.clip_high!r}")
         if self.clip_ratio_c is not None and (not _is_real(self.clip_ratio_c) or self.clip_ratio_c <= 1):
@@ -193,6 +209,9 @@ class PolicyLossConfig:
                 f"PolicyLossConfig.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
         if self.engine_is not in ENGINE_IS_MODES:
             raise ValueError(f"PolicyLossConfig.engine_is must be one of {ENGINE_IS_MODES}, got {self.engine_is!r}")
+        if self.prompt_weight not in PROMPT_WEIGHTS:
+            raise ValueError(f"PolicyLossConfig.prompt_weight must be one of {PROMPT_WEIGHTS}, "
+                             f"got {self.prompt_weight!r}")
         if not _is_real(self.engine_is_cap) or self.engine_is_cap <= 1:
             raise ValueError(f"PolicyLossConfig.engine_is_cap must be a finite number > 1, got {self.engine_is_cap!r}")
         if not isinstance(self.name, str) or not self.name:
@@ -214,3 +233,36 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.clip_cov_lb ({self.clip_cov_lb!r}) must be a finite number below "
                              f"clip_cov_ub ({self.clip_cov_ub!r})")
         return self
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2; verl ``recipe/dapo``: ``filter_groups``), the field's
+    answer to groups whose rewards are all equal (zero advantage, no gradient): each step samples rounds of prompts
+    (each round allocated as without it: uniform, or by DRA), keeps the groups whose rewards differ and refills
+    until the step's ``data.prompts_per_step`` are full; the surplus is dropped (``algorithms/dynamic_sampling.py``).
+    verl's ``max_num_gen_batches`` counts rounds (``max_refills + 1``) and stops the run when they run out; here the
+    step trains on the groups it has (``sampling/prompts_short`` says how many were missing).
+
+    Keys:
+        dynamic: dynamic sampling on (off: one round of ``data.prompts_per_step`` prompts, every group trained).
+        oversample {>= 1}: a round draws ceil(``data.prompts_per_step`` x oversample) prompts.
+        max_refills {>= 0}: the most rounds after the first in one step.
+    """
+
+    dynamic: bool = False
+    oversample: float = 1.0
+    max_refills: int = 4
+
+    def validate(self) -> "DynamicSamplingConfig":
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"DynamicSamplingConfig.dynamic must be a bool, got {self.dynamic!r}")
+        if not _is_real(self.oversample) or self.oversample < 1:
+            raise ValueError(f"DynamicSamplingConfig.oversample must be a number >= 1, got {self.oversample!r}")
+        if not _is_int(self.max_refills) or self.max_refills < 0:
+            raise ValueError(f"DynamicSamplingConfig.max_refills must be an integer >= 0, got {self.max_refills!r}")
+        return self
+
+    def round_prompts(self, prompts_per_step: int) -> int:
+        """Prompts drawn per round: ceil(prompts_per_step x oversample) (prompts_per_step without ``dynamic``)."""
+        return math.ceil(prompts_per_step * self.oversample) if self.dynamic else int(prompts_per_step)

@@ -267,8 +267,8 @@ class ModulationFactors:
 
 
 def modulation_factors(inputs: ModulationInputs, cfg: ModulationConfig, scope: ModulationScope) -> ModulationFactors:
-    """beta_comp (eq. 3, if ``cfg.gc``) and beta_stab (eq. 4, if ``cfg.ums``) of every token of ``inputs`` under
-    ``scope``. ``inputs.advantages`` must be token-shaped."""
+    """beta_comp (eq. 3, if ``cfg.gc``; 1 + alpha on every A > 0 token with ``cfg.pos_weight``) and beta_stab (eq. 4,
+    if ``cfg.ums``) of every token of ``inputs`` under ``scope``. ``inputs.advantages`` must be token-shaped."""
     with torch.no_grad():
         valid = inputs.mask.bool()
         dtype = _compute_dtype(inputs.advantages, inputs.entropy, inputs.logp, inputs.sum_pi2_lambda)
@@ -277,6 +277,9 @@ def modulation_factors(inputs: ModulationInputs, cfg: ModulationConfig, scope: M
         if cfg.gc:
             compensation = beta_comp(inputs.entropy.to(dtype), inputs.advantages, valid, cfg.alpha, scope.h_min,
                                      scope.h_max)
+        elif cfg.pos_weight:  # the control for GC: its cap on every positive token, whatever the entropy
+            positive = valid & (to_token_shape(inputs.advantages, inputs.entropy) > 0)
+            compensation = torch.where(positive, torch.full_like(ones, 1.0 + cfg.alpha), ones)
         if cfg.ums:
             delta_h = entropy_change(inputs, cfg).to(dtype)
             stabilisation = beta_stab(delta_h.abs(), scope.xi_max, cfg.gamma, cfg.tau, cfg.lambda_min)
@@ -290,7 +293,8 @@ def modulate_advantages(advantages: torch.Tensor, entropy: torch.Tensor, logp: t
                         seq_ids: torch.Tensor | None = None, cfg: ModulationConfig | None = None,
                         group: Any = None, scope: ModulationScope | None = None
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Phase 2: A_final = A * beta_comp (eq. 3, if ``cfg.gc``) * beta_stab (eq. 4, if ``cfg.ums``), per token.
+    """Phase 2: A_final = A * beta_comp (eq. 3, if ``cfg.gc``; the constant 1 + alpha on A > 0 with
+    ``cfg.pos_weight``) * beta_stab (eq. 4, if ``cfg.ums``), per token.
 
     ``scope`` should come from ``modulation_scope`` over the whole mini-batch; without it the scope of this batch
     alone is used (reduced over ``group`` if given), which is right only when this batch is the whole mini-batch.
@@ -319,7 +323,7 @@ def modulate_advantages(advantages: torch.Tensor, entropy: torch.Tensor, logp: t
         }
         factors = modulation_factors(inputs, cfg, scope)
         compensation, stabilisation = factors.beta_comp, factors.beta_stab
-        if cfg.gc:
+        if cfg.gc or cfg.pos_weight:
             positive = valid & (token_advantages > 0)
             stats["modulation/beta_comp_mean_pos"] = masked_mean(compensation, positive)
             # its weight when averaged over micro-batches: a micro-batch without positive tokens holds no mean

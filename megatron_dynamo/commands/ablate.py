@@ -5,9 +5,10 @@
     dynamo ablate RECIPE --variants table1,ablation --seeds 1,2,3 --jobs 2      # Table 1 and Table 2: 16 variants
 
 A variant is (--algo, overrides). Variants (``--variants``, comma-separated names or groups; default the group
-``ablation``, the nine below). Each sets the same four keys explicitly:
+``ablation``, the nine below). Each sets the same seven keys explicitly:
 dynamo.allocation.enabled (DRA, dynamic rollout allocation), dynamo.modulation.gc (GC, gradient compensation),
-dynamo.modulation.ums (UMS, update-magnitude stabilisation), dynamo.allocation.power:
+dynamo.modulation.ums (UMS, update-magnitude stabilisation), dynamo.allocation.power, and the controls' switches
+dynamo.modulation.pos_weight, dynamo.loss.prompt_weight, dynamo.sampling.dynamic (off but where named below):
     grpo           DRA off, GC off, UMS off                  paper row "GRPO (w/o ALL)"
     dra, gc, ums   one component on                          "w/o GC & UMS", "w/o UMS & DRA", "w/o GC & DRA"
     dra+gc, dra+ums, gc+ums   two on                         "w/o UMS", "w/o GC", "w/o DRA"
@@ -17,8 +18,14 @@ dynamo.modulation.ums (UMS, update-magnitude stabilisation), dynamo.allocation.p
 the paper's Table 1 run ``--algo NAME`` with DRA, GC and UMS off (GRPO plus the method's own change):
     clip_higher "Clip-Higher", entropy_loss "Entropy Loss", fork_tokens "Fork Tokens", entropy_adv "Entropy
     Advantages", clip_cov "Clip-COV", kl_cov "KL-COV", w_reinforce "W-REINFORCE"
+The controls of the preregistered replication (docs/ablation.md, Preregistration; GRPO or a DRA/GC/UMS variant with
+one change): pos_weight (every positive advantage x (1 + alpha)), dra-equal (DRA, every prompt weighted equally in
+the loss), grpo+ds and dynamo+ds (DAPO's dynamic sampling), grpo-hlr, ums-hlr, gc-hlr, gc+ums-hlr (at the high
+learning rate where GRPO degrades), clip_cov_authors (Clip-COV with its authors' clip 1 / 1).
 Groups: ablation (the nine above), table1 (grpo, the seven baselines, dynamo: the paper's Table 1 rows), all (both,
-16 variants); a group's members already listed are not repeated.
+16 variants), factorial (the eight power-1 DRA x GC x UMS variants), controls (pos_weight, dra-equal, grpo+ds,
+dynamo+ds), high_lr (the four -hlr variants), confirmatory (factorial and controls); a group's members already
+listed are not repeated.
 
 Runs, per seed S (trainer.seed=S; data.seed stays the recipe's, so every seed trains and evaluates on the same
 problems), each a subprocess ``python -m megatron_dynamo.cli train RECIPE [key=value ...] <run keys> --algo
@@ -56,7 +63,10 @@ pass@1 / pass@k beside the paper's Avg.; the ablation in its Table 2 layout with
 [95% CI], Δ pass@1 vs GRPO paired by seed, rollouts to threshold, final train reward; marginal effects of DRA, GC, UMS;
 eq. 23 variance ratio predicted and realised, zero-advantage groups and the modulation diagnostics), ablation.json
 (every run's numbers and the aggregates), ablation.png (pass@1 per variant with CIs; the effects) and report/
-(``dynamo report``'s page of every variant run's curves). Statistics and formulas: docs/ablation.md.
+(``dynamo report``'s page of every variant run's curves). With --raw-data DIR also DIR/runs.csv (one row per
+finished run of the plan: variant, seed, held-out pass@1 and pass@k, train rollouts, steps, wall seconds) and
+DIR/problems.csv.gz (correct samples per held-out problem), which ``dynamo confirm DIR`` turns into the
+preregistered tables. Statistics and formulas: docs/ablation.md.
 """
 
 from __future__ import annotations
@@ -73,14 +83,13 @@ from megatron_dynamo.commands.ablate_plan import (PLAN_FILE, RunSpec, merge_plan
                                                   train_command, variant_algo)
 from megatron_dynamo.commands.ablate_runs import (CPUS_ENV, AblationInterrupted, Launch, RunResult,  # noqa: F401
                                                   SubprocessLauncher, cpu_slots, execute)
-from megatron_dynamo.commands.ablate_statistics import collect, write_outputs
+from megatron_dynamo.commands.ablate_statistics import collect, write_outputs, write_raw
 from megatron_dynamo.parallel.runtime import single_process_environment
 from megatron_dynamo.report.ablation import DEFAULT_GROUP, GROUPS, SFT, VARIANTS, parse_variants
+from megatron_dynamo.report.ablation_variants import VARIANT_KEYS
 from megatron_dynamo.report.thresholds import parse_seeds
 
 DEFAULT_VARIANTS = DEFAULT_GROUP
-VARIANT_KEYS = ("dynamo.allocation.enabled", "dynamo.modulation.gc", "dynamo.modulation.ums",
-                "dynamo.allocation.power")
 RESERVED_KEYS = ("trainer.seed", "trainer.output_dir", "evaluation.every", *VARIANT_KEYS)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -98,9 +107,12 @@ def add_arguments(parser) -> None:
                         help="comma-separated variants and groups, in the order to run: the DynaMO ablation's "
                              f"{', '.join(GROUPS['ablation'])}; the paper's Table 1 baselines "
                              f"{', '.join(v for v in GROUPS['table1'] if v not in GROUPS['ablation'])} (each "
-                             "--algo NAME, DRA/GC/UMS off); groups ablation (those nine), table1 (grpo, the seven "
-                             "baselines, dynamo), all (both, 16 variants), e.g. --variants table1,ablation "
-                             f"(default: {DEFAULT_VARIANTS})")
+                             "--algo NAME, DRA/GC/UMS off); the controls "
+                             f"{', '.join(v for v in VARIANTS if VARIANTS[v].kind == 'control')}; groups ablation "
+                             "(those nine), table1 (grpo, the seven baselines, dynamo), all (both, 16 variants), "
+                             "factorial (the eight DRA x GC x UMS), controls (pos_weight, dra-equal, grpo+ds, "
+                             "dynamo+ds), high_lr (the four -hlr), confirmatory (factorial + controls), e.g. "
+                             f"--variants table1,ablation (default: {DEFAULT_VARIANTS})")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once (default 1); each gets cores // N threads on its own cores")
     parser.add_argument("--threshold", type=float, default=0.6,
@@ -113,6 +125,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sft-per-seed", action="store_true",
                         help="one SFT warm-up per seed (trainer.seed = the seed) instead of one shared by all seeds "
                              "(the recipe's trainer.seed): seed-to-seed spread then includes the warm-up's")
+    parser.add_argument("--raw-data", default=None, metavar="DIR",
+                        help="also write DIR/runs.csv (variant, seed, held-out pass@1 and pass@k, train rollouts, "
+                             "steps, wall seconds) and DIR/problems.csv.gz (correct samples per held-out problem) "
+                             "of every finished run of the output directory's plan, all calls' seeds and variants "
+                             "(docs/ablation.md, Raw data); e.g. --raw-data benchmarks/results/confirmatory")
     parser.add_argument("--output-dir", default="outputs/ablate",
                         help="where runs, ablation.md/.json/.png, report/ and ablation_plan.json go "
                              "(default outputs/ablate)")
@@ -321,6 +338,9 @@ def run(args, launch: Launch | None = None) -> int:
                 "variant_algos": {v: variant_algo(v) for v in variants}}
     paths = write_outputs(args.output_dir, specs=specs, results=results, summaries=summaries, analysis=analysis,
                           settings=settings, budget=budget)
+    if args.raw_data:
+        paths.update(write_raw(args.raw_data, args.output_dir, merged, steps=steps, k=k, with_sft=with_sft,
+                               shared_sft_seed=shared_sft_seed))
     with open(paths["md"], encoding="utf-8") as f:
         print("\n" + f.read())
     print("wrote " + ", ".join(paths.values()))

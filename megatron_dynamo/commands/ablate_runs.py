@@ -113,7 +113,8 @@ def _record_seconds(spec: RunSpec, seconds: float, resumed: bool) -> None:
             json.dump({"seconds": seconds, "resumed": resumed}, f)
 
 
-def _recorded_seconds(spec: RunSpec) -> float | None:
+def recorded_seconds(spec: RunSpec) -> float | None:
+    """A finished run's wall time kept in its directory (``ablate_run.json``), or None."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         with open(os.path.join(spec.output_dir, RUN_RECORD), encoding="utf-8") as f:
             return float(json.load(f)["seconds"])
@@ -159,7 +160,7 @@ def execute(specs: Sequence[RunSpec], steps: int, command_for: Callable[[RunSpec
 
     for spec in list(pending):
         if run_state(spec, steps) == "done":
-            finish(RunResult(spec, "reused", seconds=_recorded_seconds(spec)))
+            finish(RunResult(spec, "reused", seconds=recorded_seconds(spec)))
             pending.remove(spec)
 
     def ready(spec: RunSpec) -> str | None:

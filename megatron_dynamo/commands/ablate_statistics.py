@@ -1,5 +1,6 @@
-"""``dynamo ablate``'s results: each finished run's numbers (:func:`collect`) and the files of the ablation
-(:func:`write_outputs`: ablation.json, ablation.md, ablation.png, the report page of every run). The statistics
+"""``dynamo ablate``'s results: each finished run's numbers (:func:`collect`), the files of the ablation
+(:func:`write_outputs`: ablation.json, ablation.md, ablation.png, the report page of every run) and its raw data
+(:func:`write_raw`: runs.csv and problems.csv.gz of every finished run of the plan, ``--raw-data``). The statistics
 themselves are :mod:`megatron_dynamo.report.ablation`'s."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.commands.ablate_plan import RunSpec, read_run
-from megatron_dynamo.commands.ablate_runs import RunResult
+from megatron_dynamo.commands.ablate_plan import RunSpec, plan_runs, read_run, run_state
+from megatron_dynamo.commands.ablate_runs import RunResult, recorded_seconds
 from megatron_dynamo.report.ablation import SFT
 
 
@@ -83,3 +84,20 @@ def write_outputs(output_dir: str, *, specs: Sequence[RunSpec], results: Mapping
                                     title=f"DynaMO ablation runs: {os.path.basename(settings['config'])}")
             paths["report"] = manifest["files"]["html"]
     return paths
+
+
+def write_raw(raw_dir: str, output_dir: str, plan: Mapping[str, Any], *, steps: int, k: int, with_sft: bool,
+              shared_sft_seed: int | None) -> dict[str, str]:
+    """runs.csv and problems.csv.gz (``report/raw_data.py``) in ``raw_dir`` of every finished run that the plan of
+    ``output_dir`` holds (every seed and variant any call added, not only this call's): the SFT warm-up(s) first,
+    then the variants in display order, each over its seeds."""
+    from megatron_dynamo.report.ablation_variants import display_order
+    from megatron_dynamo.report.raw_data import FinishedRun, write_raw_data
+
+    seeds = sorted(int(s) for s in plan.get("seeds", []))
+    specs = plan_runs(output_dir, seeds, display_order(plan.get("variants", [])), with_sft, shared_sft_seed)
+    specs = sorted(specs, key=lambda s: (not s.is_sft, 0 if s.is_sft else display_order(plan["variants"])
+                                         .index(s.variant), s.seed))
+    finished = [FinishedRun(s.variant, s.seed, s.output_dir, recorded_seconds(s)) for s in specs
+                if run_state(s, steps) == "done"]
+    return write_raw_data(raw_dir, finished, k)

@@ -8,6 +8,10 @@
 Every key of the recipe can be overridden as section.key=value (values are YAML: numbers, true/false, null);
 an unknown key or a bad value is an error before anything is built. Ablations switch single parts off:
 dynamo.allocation.enabled=false (DRA), dynamo.modulation.gc=false (GC), dynamo.modulation.ums=false (UMS).
+The controls of docs/ablation.md: dynamo.modulation.pos_weight=true with gc=false (every positive advantage x
+(1 + alpha)), dynamo.loss.prompt_weight=equal (every prompt weighs the same in the loss, whatever its rollouts),
+dynamo.sampling.dynamic=true (DAPO's dynamic sampling: rounds of prompts until the step has prompts_per_step groups
+whose rewards differ, at most dynamo.sampling.max_refills refills; dynamo.sampling.oversample sizes a round).
 
 Launch: a single process runs all ranks itself when --nproc > 1 (gloo on CPU, one GPU per rank on GPUs);
 under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set) each process is one rank. Every rank hosts a vLLM

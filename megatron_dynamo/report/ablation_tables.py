@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.report.ablation_variants import (BASELINES, COMPONENT_LABELS, COMPONENTS, PAPER_ORDER, SFT,
-                                                      TABLE1_ORDER, display_order)
+from megatron_dynamo.report.ablation_variants import (BASELINES, COMPONENT_LABELS, COMPONENTS, CONTROLS, PAPER_ORDER,
+                                                      SFT, TABLE1_ORDER, display_order)
 from megatron_dynamo.report.paper_tables import PAPER_AVG, PAPER_K, TABLE1, table1_avg
 
 
@@ -90,23 +90,25 @@ def table1_table(analysis: Mapping[str, Any], budget: int | None = None) -> str:
     return _markdown(header, rows)
 
 
-def main_table(analysis: Mapping[str, Any], budget: int | None = None) -> str:
-    """The paper's Table 2 (ablation) layout: one row per variant (paper order), then the SFT start."""
+def main_table(analysis: Mapping[str, Any], budget: int | None = None, rows: Sequence[str] | None = None) -> str:
+    """The paper's Table 2 (ablation) layout: one row per variant (paper order), then the SFT start; or the given
+    ``rows`` (the controls' table) in that layout."""
     k = analysis["k"]
     per = analysis["per_variant"]
+    names = row_order(analysis["variants"], SFT in per) if rows is None else list(rows)
     header = ["method", "variant", "runs", "held-out pass@1 (%)", f"held-out pass@{k} (%)",
               "Δ pass@1 vs GRPO (points, paired)", f"rollouts to threshold (budget {budget})" if budget else
               "rollouts to threshold", "final train reward (%)", "paper Avg. pass@1 (%, 7B)"]
-    rows = []
-    for name in row_order(analysis["variants"], SFT in per):
+    lines = []
+    for name in names:
         e = per[name]
         delta = _delta_vs_grpo(e, name)
-        rows.append([e["label"], name if name != SFT else "sft", str(e["runs"]), fmt_ci(e["pass@1"]),
-                     fmt_ci(e[f"pass@{k}"]), delta,
-                     _fmt_rollouts(e["rollouts_to_threshold"]) if name != SFT else "-",
-                     fmt_ci(e["final_reward"]) if name != SFT else "-",
-                     f"{PAPER_AVG[name]:.1f}" if name in PAPER_AVG else "-"])
-    return _markdown(header, rows)
+        lines.append([e["label"], name if name != SFT else "sft", str(e["runs"]), fmt_ci(e["pass@1"]),
+                      fmt_ci(e[f"pass@{k}"]), delta,
+                      _fmt_rollouts(e["rollouts_to_threshold"]) if name != SFT else "-",
+                      fmt_ci(e["final_reward"]) if name != SFT else "-",
+                      f"{PAPER_AVG[name]:.1f}" if name in PAPER_AVG else "-"])
+    return _markdown(header, lines)
 
 
 def effects_table(analysis: Mapping[str, Any]) -> str:
@@ -169,7 +171,10 @@ def format_markdown(analysis: Mapping[str, Any], *, title: str, settings_line: s
     crude = (f"{n} seed(s): means over seeds with {round(100 * analysis['bootstrap_confidence'])}% "
              f"percentile-bootstrap CIs ({analysis['bootstrap_resamples']} resamples, seed "
              f"{analysis['bootstrap_seed']}) in brackets; with so few seeds the bootstrap CI is crude (it cannot "
-             "be wider than the seeds' range) and understates the uncertainty.")
+             "be wider than the seeds' range) and understates the uncertainty (over 5 seeds a 95% percentile "
+             "bootstrap covers ~83%): exploratory; for claims use `dynamo confirm` on `--raw-data` (paired Student "
+             "t, Holm).")
+    controls = [v for v in CONTROLS if v in analysis["variants"]]
     baselines = []
     if any(v in BASELINES for v in analysis["variants"]):
         baselines = [
@@ -187,6 +192,9 @@ def format_markdown(analysis: Mapping[str, Any], *, title: str, settings_line: s
         "train reward: mean reward_mean of the last tenth of the steps. The last column is the paper's Table 2 "
         "Avg. (Qwen2.5-Math-7B, six benchmarks), for the direction of the effects only.",
         main_table(analysis, budget),
+        *([f"## Controls (issue 32)\n\nThe same columns for the controls (docs/ablation.md, Controls); the "
+           "`-hlr` variants' Δ is still against GRPO at the recipe's learning rate. The preregistered analysis of "
+           "them is `dynamo confirm` on `--raw-data`.", main_table(analysis, budget, controls)] if controls else []),
         "## Effects on held-out pass@k (paired by seed)\n\nMarginal effect of a component: per seed, the "
         "mean over the 4 pairs of power-1 variants that differ only in it of (with - without); n/a when a "
         "variant of a pair is missing. The paper column applies the same formula to its Table 2 Avg. column.",

@@ -1,19 +1,39 @@
-"""The variants ``dynamo ablate`` runs: the DynaMO ablation (paper Table 2) and the methods of the paper's Table 1.
+"""The variants ``dynamo ablate`` runs: the DynaMO ablation (paper Table 2), the methods of the paper's Table 1, and
+the controls of issue 32 that name the mechanisms.
 
-A variant is ``(algo, overrides)``: the train command's ``--algo`` and the four keys every variant sets explicitly
-(dynamo.allocation.enabled = DRA, dynamo.modulation.gc = GC, dynamo.modulation.ums = UMS,
-dynamo.allocation.power). The ablation variants are ``--algo dynamo`` with the components switched on and off; the
-seven baselines of Table 1 are GRPO (DRA, GC and UMS off) plus each one's own change, picked by ``--algo NAME``
-(``megatron_dynamo/algorithms``: the trainer's registry of algorithms decides whether a name exists; an unknown
-one fails when the variant's config is loaded, before any run).
+A variant is ``(algo, overrides)``: the train command's ``--algo`` and the keys every variant sets explicitly
+(:data:`VARIANT_KEYS`: dynamo.allocation.enabled = DRA, dynamo.modulation.gc = GC, dynamo.modulation.ums = UMS,
+dynamo.allocation.power, dynamo.modulation.pos_weight, dynamo.loss.prompt_weight, dynamo.sampling.dynamic), plus a
+control's own extra overrides (a learning rate, a clip). The ablation variants are ``--algo dynamo`` with the
+components switched on and off; the seven baselines of Table 1 are GRPO (DRA, GC and UMS off) plus each one's own
+change, picked by ``--algo NAME`` (``megatron_dynamo/algorithms``: the trainer's registry of algorithms decides
+whether a name exists; an unknown one fails when the variant's config is loaded, before any run).
+
+Controls (kind ``control``; each answers one question of the preregistration, docs/ablation.md):
+``pos_weight`` (GRPO with every positive advantage x (1 + alpha): is GC a constant reweighting?), ``dra-equal`` (DRA's
+allocation, every prompt weighted equally in the loss: variance reduction or curriculum?), ``grpo+ds`` /
+``dynamo+ds`` (DAPO's dynamic sampling, the field's answer to zero-variance groups), the high-learning-rate grid
+``grpo-hlr``, ``ums-hlr``, ``gc-hlr``, ``gc+ums-hlr`` (at :data:`HIGH_LR`, where GRPO degrades: does UMS stabilise
+it?), and ``clip_cov_authors`` (Clip-COV with its authors' PPO clip 1 / 1).
 
 Groups for ``--variants``: ``ablation`` (the nine ablation variants, the default), ``table1`` (GRPO, the seven
-baselines, DynaMO) and ``all`` (both; GRPO and DynaMO are shared, so 16 variants).
+baselines, DynaMO), ``all`` (both; GRPO and DynaMO are shared, so 16 variants), ``factorial`` (the eight power-1
+DRA x GC x UMS variants), ``controls`` (pos_weight, dra-equal, grpo+ds, dynamo+ds), ``high_lr`` (the grid) and
+``confirmatory`` (factorial + controls, the preregistered runs at the recipe's learning rate).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+#: The learning rate of the high-lr grid: where GRPO degrades on the mechanism testbed (the probe of issue 32,
+#: docs/results/testbed.md; the recipe's own rate is 5e-5).
+HIGH_LR = "1.5e-4"
+#: The keys every variant sets explicitly, whatever the recipe says (``dynamo ablate`` refuses them as overrides).
+VARIANT_KEYS = ("dynamo.allocation.enabled", "dynamo.modulation.gc", "dynamo.modulation.ums",
+                "dynamo.allocation.power", "dynamo.modulation.pos_weight", "dynamo.loss.prompt_weight",
+                "dynamo.sampling.dynamic")
 
 
 @dataclass(frozen=True)
@@ -23,27 +43,42 @@ class AblationVariant:
     gc: bool
     ums: bool
     power: float
-    label: str  # the paper's row label (Table 2, or Table 1 for the baselines)
+    label: str  # the paper's row label (Table 2, or Table 1 for the baselines), or the control's
     algo: str = "dynamo"  # the train command's --algo
+    kind: str = "ablation"  # "ablation", "baseline" (Table 1) or "control"
+    pos_weight: bool = False
+    prompt_weight: str = "rollouts"
+    dynamic: bool = False
+    extra: tuple[str, ...] = ()  # a control's own overrides, after the explicit keys
 
     def overrides(self) -> tuple[str, ...]:
-        """The four explicit train overrides of the variant."""
+        """The explicit train overrides of the variant: :data:`VARIANT_KEYS`, then its ``extra``."""
         b = lambda v: "true" if v else "false"  # noqa: E731
-        return (f"dynamo.allocation.enabled={b(self.dra)}", f"dynamo.modulation.gc={b(self.gc)}",
-                f"dynamo.modulation.ums={b(self.ums)}", f"dynamo.allocation.power={self.power:.1f}")
+        values = (b(self.dra), b(self.gc), b(self.ums), f"{self.power:.1f}", b(self.pos_weight), self.prompt_weight,
+                  b(self.dynamic))
+        return (*(f"{key}={value}" for key, value in zip(VARIANT_KEYS, values)), *self.extra)
 
     @property
     def is_baseline(self) -> bool:
         """One of the seven Table 1 baselines (an --algo of its own), not a DRA/GC/UMS combination."""
-        return self.algo != "dynamo"
+        return self.kind == "baseline"
+
+    @property
+    def is_factorial(self) -> bool:
+        """One of the eight power-1 DRA x GC x UMS variants of the ablation (nothing else changed)."""
+        return self.kind == "ablation" and self.power == 1.0
 
 
 def _baseline(name: str, label: str) -> AblationVariant:
-    return AblationVariant(name, False, False, False, 1.0, label, algo=name)
+    return AblationVariant(name, False, False, False, 1.0, label, algo=name, kind="baseline")
+
+
+def _control(name: str, label: str, dra: bool = False, gc: bool = False, ums: bool = False, **changes) -> AblationVariant:
+    return AblationVariant(name, dra, gc, ums, 1.0, label, kind="control", **changes)
 
 
 # CLI order (and the default of --variants): GRPO, singles, pairs, DynaMO, DynaMO with power 0.5; then the
-# baselines of Table 1 in the paper's order.
+# baselines of Table 1 in the paper's order; then the controls.
 VARIANTS: dict[str, AblationVariant] = {v.name: v for v in (
     AblationVariant("grpo", False, False, False, 1.0, "GRPO (w/o ALL)"),
     AblationVariant("dra", True, False, False, 1.0, "w/o GC & UMS"),
@@ -61,8 +96,20 @@ VARIANTS: dict[str, AblationVariant] = {v.name: v for v in (
     _baseline("clip_cov", "Clip-COV"),
     _baseline("kl_cov", "KL-COV"),
     _baseline("w_reinforce", "W-REINFORCE"),
+    _control("pos_weight", "GRPO, positive A x (1 + alpha)", pos_weight=True),
+    _control("dra-equal", "DRA, prompts weighted equally", dra=True, prompt_weight="equal"),
+    _control("grpo+ds", "GRPO + dynamic sampling", dynamic=True),
+    _control("dynamo+ds", "DynaMO + dynamic sampling", dra=True, gc=True, ums=True, dynamic=True),
+    _control("grpo-hlr", f"GRPO, lr {HIGH_LR}", extra=(f"optim.lr={HIGH_LR}",)),
+    _control("ums-hlr", f"UMS, lr {HIGH_LR}", ums=True, extra=(f"optim.lr={HIGH_LR}",)),
+    _control("gc-hlr", f"GC, lr {HIGH_LR}", gc=True, extra=(f"optim.lr={HIGH_LR}",)),
+    _control("gc+ums-hlr", f"GC + UMS, lr {HIGH_LR}", gc=True, ums=True, extra=(f"optim.lr={HIGH_LR}",)),
+    AblationVariant("clip_cov_authors", False, False, False, 1.0, "Clip-COV, clip 1 / 1 (authors')",
+                    algo="clip_cov", kind="control",
+                    extra=("dynamo.loss.clip_low=1", "dynamo.loss.clip_high=1")),
 )}
 BASELINES = tuple(name for name, v in VARIANTS.items() if v.is_baseline)
+CONTROLS = tuple(name for name, v in VARIANTS.items() if v.kind == "control")
 SFT = "sft"
 SFT_LABEL = "SFT start"
 # Rows of the paper's Table 2, in its order, then ours.
@@ -70,10 +117,14 @@ PAPER_ORDER = ("dynamo", "dra+ums", "dra+gc", "gc+ums", "ums", "dra", "gc", "grp
 # Rows of the paper's Table 1, in its order.
 TABLE1_ORDER = ("grpo", *BASELINES, "dynamo")
 GROUPS: dict[str, tuple[str, ...]] = {
-    "ablation": tuple(name for name, v in VARIANTS.items() if not v.is_baseline),
+    "ablation": tuple(name for name, v in VARIANTS.items() if v.kind == "ablation"),
     "table1": TABLE1_ORDER,
+    "factorial": tuple(name for name, v in VARIANTS.items() if v.is_factorial),
+    "controls": ("pos_weight", "dra-equal", "grpo+ds", "dynamo+ds"),
+    "high_lr": ("grpo-hlr", "ums-hlr", "gc-hlr", "gc+ums-hlr"),
 }
 GROUPS["all"] = tuple(dict.fromkeys((*GROUPS["ablation"], *GROUPS["table1"])))
+GROUPS["confirmatory"] = (*GROUPS["factorial"], *GROUPS["controls"])
 DEFAULT_GROUP = "ablation"
 COMPONENTS = ("dra", "gc", "ums")
 COMPONENT_LABELS = {"dra": "DRA", "gc": "GC", "ums": "UMS"}
@@ -98,11 +149,11 @@ def parse_variants(text: str) -> list[str]:
 def variant_with(dra: bool, gc: bool, ums: bool) -> str:
     """The power-1 ablation variant (``--algo dynamo``) with these components on."""
     for v in VARIANTS.values():
-        if not v.is_baseline and (v.dra, v.gc, v.ums, v.power) == (dra, gc, ums, 1.0):
+        if v.is_factorial and (v.dra, v.gc, v.ums) == (dra, gc, ums):
             return v.name
     raise KeyError((dra, gc, ums))
 
 
 def display_order(variants: list[str] | tuple[str, ...]) -> list[str]:
-    """Every variant of ``variants`` once: the Table 2 rows (paper order), then the Table 1 baselines."""
-    return [v for v in (*PAPER_ORDER, *BASELINES) if v in variants]
+    """Every variant of ``variants`` once: the Table 2 rows (paper order), the Table 1 baselines, the controls."""
+    return [v for v in (*PAPER_ORDER, *BASELINES, *CONTROLS) if v in variants]

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_dynamo.rollout.exchange import ScoredResponses
@@ -27,13 +28,16 @@ from megatron_dynamo.rollout.exchange import ScoredResponses
 class RolloutBatch:
     """The scored rollout of training step ``step``.
 
-    ``example_indices``: the step's prompts, as indices into the run's example list (every rank loads the same
-    list); ``prompt_tokens``: each prompt's token ids (as the engine saw them); ``counts``: responses per prompt;
-    ``responses``: the scored responses, ``prompt_index`` pointing into the step's prompts, in canonical order;
-    ``history_index`` / ``history_correct``: the (prompt, 0/1) results the prompt history took from this batch
-    (one per scored response); ``sampler_state``: the data sampler's state after drawing this batch's prompts;
-    ``metrics``: what the rollout stage measured (reward statistics, stage seconds ``time/<stage>``);
-    ``stop_signal``: the stop signal a rank that generated it received (0: none)."""
+    ``example_indices``: the step's prompts (those trained on), as indices into the run's example list (every rank
+    loads the same list); ``prompt_tokens``: each prompt's token ids (as the engine saw them); ``counts``:
+    responses per prompt; ``responses``: the scored responses, ``prompt_index`` pointing into the step's prompts,
+    in canonical order; ``history_index`` / ``history_correct``: the (example index, 0/1) results the prompt
+    history took from this batch (one per scored response, dropped groups of dynamic sampling included), in
+    ``history_updates`` updates of those sizes (one per generation round); ``sampler_state``: the data sampler's
+    state after drawing this batch's prompts; ``rollouts`` / ``reward_mean``: the responses generated for the step
+    and their mean reward (with dynamic sampling every round's, dropped groups included; None: those of
+    ``counts`` and ``responses``); ``metrics``: what the rollout stage measured (reward statistics, stage seconds
+    ``time/<stage>``); ``stop_signal``: the stop signal a rank that generated it received (0: none)."""
 
     step: int
     version: int
@@ -45,13 +49,38 @@ class RolloutBatch:
     history_index: list[int] = field(default_factory=list)
     history_correct: list[int] = field(default_factory=list)
     sampler_state: dict[str, Any] = field(default_factory=dict)
+    history_updates: list[int] | None = None
+    rollouts: int | None = None
+    reward_mean: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     stop_signal: int = 0
+
+    def __post_init__(self) -> None:
+        # Without dynamic sampling the step generated exactly what it trains on, in one round.
+        if self.history_updates is None:
+            self.history_updates = [len(self.history_index)]
+        if self.rollouts is None:
+            self.rollouts = int(sum(self.counts))
+        if self.reward_mean is None:
+            rewards = self.responses.rewards
+            self.reward_mean = float(np.mean(rewards)) if rewards else 0.0
 
     @property
     def staleness(self) -> int:
         """How many updates the policy that trains on this batch is ahead of the one that generated it."""
         return self.step - 1 - self.version
+
+    def history_rounds(self) -> list[tuple[list[int], list[int]]]:
+        """The prompt history's updates from this batch, in order: (example indices, 0/1 results), one per
+        generation round."""
+        out, start = [], 0
+        for size in self.history_updates:
+            out.append((self.history_index[start:start + size], self.history_correct[start:start + size]))
+            start += size
+        if start != len(self.history_index):
+            raise ValueError(f"rollout batch: history updates of {self.history_updates} results for "
+                             f"{len(self.history_index)}")
+        return out
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Plain tensors (CPU): the responses packed as ``ScoredResponses.pack`` packs them, the prompt tokens back
@@ -61,7 +90,8 @@ class RolloutBatch:
         header = {"step": self.step, "version": self.version, "example_indices": self.example_indices,
                   "prompt_lengths": [len(ids) for ids in self.prompt_tokens], "counts": self.counts,
                   "variance_ratio": self.variance_ratio, "history_index": self.history_index,
-                  "history_correct": self.history_correct, "sampler_state": self.sampler_state,
+                  "history_correct": self.history_correct, "history_updates": self.history_updates,
+                  "sampler_state": self.sampler_state, "rollouts": self.rollouts, "reward_mean": self.reward_mean,
                   "metrics": self.metrics, "stop_signal": self.stop_signal}
         return {"meta": meta, "tokens": tokens, "rewards": rewards, "logprobs": logprobs,
                 "prompt_tokens": torch.tensor(flat_prompts, dtype=torch.int64),
@@ -83,7 +113,8 @@ class RolloutBatch:
                    counts=[int(c) for c in header["counts"]], variance_ratio=float(header["variance_ratio"]),
                    responses=responses, history_index=[int(i) for i in header["history_index"]],
                    history_correct=[int(c) for c in header["history_correct"]],
-                   sampler_state=header["sampler_state"], metrics=header["metrics"],
+                   history_updates=header.get("history_updates"), sampler_state=header["sampler_state"],
+                   rollouts=header.get("rollouts"), reward_mean=header.get("reward_mean"), metrics=header["metrics"],
                    stop_signal=int(header["stop_signal"]))
 
 

@@ -32,6 +32,7 @@ class Sample:
     reward: float
     advantage: float = 0.0
     engine_logp: tuple[float, ...] | None = None  # the rollout engine's log-prob of each response token
+    loss_weight: float = 1.0  # its prompt's weight in the loss (algorithms/prompt_weights.py)
 
     @property
     def num_response_tokens(self) -> int:
@@ -187,8 +188,8 @@ def build_micro_batches(groups: list[list[Sample]], pad_token_id: int, fixed_sha
                         rows: int | None = None, common_seq_len: bool = False) -> list[dict[str, torch.Tensor]]:
     """One micro-batch per group of samples, built on the CPU and moved to ``device`` once.
 
-    Padded (``packed=False``): ``input_ids``, ``labels``, ``loss_mask`` [B, S], ``advantages`` and
-    ``sample_index`` [B] (-1 for empty rows). S is the group's longest sequence rounded up to ``seq_multiple``
+    Padded (``packed=False``): ``input_ids``, ``labels``, ``loss_mask`` [B, S], ``advantages``, ``loss_weight``
+    (float64) and ``sample_index`` [B] (-1 for empty rows). S is the group's longest sequence rounded up to ``seq_multiple``
     (sequence parallelism splits S over the TP ranks), or the longest of all groups with ``common_seq_len``; B the
     group's size, ``rows`` for an empty group. With ``fixed_shape`` every micro-batch gets the same shape: ``rows``
     (else the largest group) rows and the longest sequence of all groups.
@@ -218,6 +219,7 @@ def padded_micro_batch(samples: list[Sample], pad_token_id: int, num_rows: int,
     labels = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros((num_rows, seq_len), dtype=torch.float32)
     advantages = torch.zeros(num_rows, dtype=torch.float32)
+    loss_weight = torch.zeros(num_rows, dtype=torch.float64)
     sample_index = torch.full((num_rows,), -1, dtype=torch.long)
     for row, sample in enumerate(samples):
         tokens = torch.tensor(sample.prompt_tokens + sample.response_tokens, dtype=torch.long)
@@ -226,9 +228,10 @@ def padded_micro_batch(samples: list[Sample], pad_token_id: int, num_rows: int,
         labels[row, :n] = tokens[1:]
         loss_mask[row, len(sample.prompt_tokens) - 1:n] = 1.0
         advantages[row] = sample.advantage
+        loss_weight[row] = sample.loss_weight
         sample_index[row] = sample.index
     return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "advantages": advantages,
-            "sample_index": sample_index}
+            "loss_weight": loss_weight, "sample_index": sample_index}
 
 
 def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: int = 1,
@@ -238,8 +241,8 @@ def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: i
 
     ``input_ids``, ``labels``, ``loss_mask``, ``position_ids`` (restarting at 0 for every sequence) and
     ``token_row`` (the index 0..n-1 of each token's sequence, -1 on the padding tail) are [1, T]; ``cu_seqlens``
-    (int32, [n+1], or [n+2] with a padding tail) the cumulative sequence lengths; ``advantages`` [n] and
-    ``sample_index`` [n] one per sequence.
+    (int32, [n+1], or [n+2] with a padding tail) the cumulative sequence lengths; ``advantages``, ``loss_weight``
+    and ``sample_index`` [n] one per sequence.
     """
     lengths = [sequence_length(s) for s in samples]
     used = sum(lengths)
@@ -265,6 +268,7 @@ def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: i
     return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
             "token_row": token_row, "cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.int32),
             "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+            "loss_weight": torch.tensor([s.loss_weight for s in samples], dtype=torch.float64),
             "sample_index": torch.tensor([s.index for s in samples], dtype=torch.long)}
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_dynamo.algorithms.baselines import BASELINES
-from megatron_dynamo.algorithms.config import AllocationConfig, ModulationConfig, PolicyLossConfig
+from megatron_dynamo.algorithms.config import (AllocationConfig, DynamicSamplingConfig, ModulationConfig,
+                                               PolicyLossConfig)
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml, validate_tree
 from megatron_dynamo.parallel.runtime import ParallelConfig
 from megatron_dynamo.trainer.actor import OptimConfig
@@ -193,7 +194,8 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class DynamoConfig:
     """DynaMO's parts (``docs/algorithm.md``): rollout allocation, advantage modulation, the policy loss and the group
-    advantage estimator. ``--algo grpo`` switches allocation and modulation off.
+    advantage estimator; beside them DAPO's dynamic sampling (``sampling``, off by default; with DRA or without).
+    ``--algo grpo`` switches allocation and modulation off.
 
     Keys:
         advantage_estimator: how rewards become advantages (``algorithms/advantages.py`` registers them).
@@ -204,6 +206,7 @@ class DynamoConfig:
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     modulation: ModulationConfig = field(default_factory=ModulationConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     advantage_estimator: str = "grpo"
     normalize_advantage_std: bool = True
     token_stats_chunk: int | None = None
@@ -211,6 +214,7 @@ class DynamoConfig:
     def validate(self) -> None:
         from megatron_dynamo.algorithms.advantages import registered_advantage_estimators
         from megatron_dynamo.algorithms.losses import registered_policy_losses
+        from megatron_dynamo.algorithms.prompt_weights import HOMOGENEOUS_LOSSES
 
         if self.advantage_estimator not in registered_advantage_estimators():
             raise ValueError(f"advantage_estimator {self.advantage_estimator!r} is not registered "
@@ -218,6 +222,13 @@ class DynamoConfig:
         if self.loss.name not in registered_policy_losses():
             raise ValueError(f"loss.name {self.loss.name!r} is not a registered policy loss "
                              f"(registered: {list(registered_policy_losses())})")
+        if self.loss.prompt_weight != "rollouts" and (self.loss.name not in HOMOGENEOUS_LOSSES
+                                                      or self.loss.entropy_coef != 0):
+            # The weight multiplies each token's advantage, which weights its loss only where the loss is
+            # homogeneous in the advantage.
+            raise ValueError(f"loss.prompt_weight must be rollouts unless loss.name is one of "
+                             f"{', '.join(HOMOGENEOUS_LOSSES)} with loss.entropy_coef 0, got {self.loss.prompt_weight} "
+                             f"with loss.name {self.loss.name}, entropy_coef {self.loss.entropy_coef}")
         if self.loss.name == "fork_tokens" and self.loss.loss_agg_mode != "token-mean":
             raise ValueError("loss.name fork_tokens needs loss.loss_agg_mode token-mean (its source's token mean "
                              "over the selected tokens)")

@@ -87,8 +87,8 @@ class RemoteRollout:
         if batch.step != self.received + 1:
             raise RolloutError(f"expected rollout batch {self.received + 1} from the engine ranks, got {batch.step}")
         # The engines' prompt history and data position, mirrored: this rank's checkpoints save them.
-        prompt_ids = [self.runner.examples[batch.example_indices[p]].id for p in batch.history_index]
-        self.history.update(prompt_ids, [float(c) for c in batch.history_correct])
+        for indices, correct in batch.history_rounds():
+            self.history.update([self.runner.examples[i].id for i in indices], [float(c) for c in correct])
         self.sampler.load_state_dict(batch.sampler_state)
         self.engine_stop = self.engine_stop or batch.stop_signal
         self.buffer[batch.step] = batch

@@ -155,6 +155,11 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
                 else weights.new_zeros(())
             modulation_stats["actor/engine_is_capped_frac"] = changed.float().mean() if changed.numel() \
                 else weights.new_zeros(())
+        if "loss_weight" in micro_batch:
+            # Each prompt's weight (dynamo.loss.prompt_weight; exactly 1 by default): on the advantage after the
+            # modulation, which weights the token's loss (the losses allowed with it are homogeneous in A); the
+            # denominator is weighted alike (step_metrics.global_denominator).
+            final_advantages = final_advantages * micro_batch["loss_weight"][seq_ids].to(final_advantages.dtype)
         # The baselines' mini-batch-wide token selection (step.py, algorithms/baselines.py), when the loss has one.
         selection = micro_batch["selection"][mask] if "selection" in micro_batch else None
         output = compute_actor_loss(logp, old_logp, final_advantages, valid, loss_cfg,

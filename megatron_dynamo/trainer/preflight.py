@@ -215,6 +215,11 @@ def check_training_prompts(run: RunConfig) -> str | None:
     if run.data.prompt_overflow == "drop":
         examples = fitting_examples(examples, lengths, run.data.max_prompt_tokens)
     fix = small_data_fix(len(examples), run.data.prompts_per_step, run.trainer.mini_batch_prompts)
+    round_prompts = run.dynamo.sampling.round_prompts(run.data.prompts_per_step)
+    if not fix and len(examples) < round_prompts:  # dynamic sampling draws its rounds from distinct prompts too
+        raise ConfigError(f"dynamo.sampling.oversample: must keep a round, ceil(data.prompts_per_step x "
+                          f"oversample) = {round_prompts} prompts, within the {len(examples)} training prompts, got "
+                          f"{run.dynamo.sampling.oversample}")
     if fix:
         size = "data.synthetic_problems" if run.data.train in _generated_tasks() else "data.train"
         raise ConfigError(f"{size} has {len(examples)} usable prompts, fewer than data.prompts_per_step "

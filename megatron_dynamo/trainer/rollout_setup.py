@@ -47,7 +47,7 @@ def hf_weight_source(path: str | None):
 
 def training_examples(run, tokenizer) -> list:
     """The run's training prompts (long ones left out under ``data.prompt_overflow: drop``); refuses a data set
-    smaller than one step."""
+    smaller than one step (one round of dynamic sampling)."""
     from megatron_dynamo.trainer.preflight import load_examples
 
     examples = load_examples(run)
@@ -56,9 +56,11 @@ def training_examples(run, tokenizer) -> list:
 
         examples = fitting_examples(examples, prompt_token_lengths(examples, tokenizer, run.data.template),
                                     run.data.max_prompt_tokens)
-    if len(examples) < run.data.prompts_per_step:
-        raise TrainingError(f"data.train has {len(examples)} usable prompts, fewer than data.prompts_per_step "
-                            f"({run.data.prompts_per_step}): a step never holds a prompt twice")
+    per_round = run.dynamo.sampling.round_prompts(run.data.prompts_per_step)  # prompts_per_step, or a round's
+    if len(examples) < per_round:
+        raise TrainingError(f"data.train has {len(examples)} usable prompts, fewer than the {per_round} a step draws "
+                            "at once (data.prompts_per_step, x dynamo.sampling.oversample): a step never holds a "
+                            "prompt twice")
     return examples
 
 

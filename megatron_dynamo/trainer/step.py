@@ -1,7 +1,8 @@
 """One DynaMO step's update, stage by stage, each timed (``docs/algorithm.md``, "One training step"):
 
-    [rollout stages: data -> allocation -> rollout -> reward -> exchange -> history]   (trainer/rollout_producer.py)
-    -> advantages -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
+    [rollout stages: data -> allocation -> rollout -> reward -> exchange -> history, in rounds with dynamic
+     sampling]   (trainer/rollout_producer.py, trainer/step_sampling.py)
+    -> advantages and prompt weights -> old log-probs -> PPO mini-batch updates with modulation -> weight sync
 
 Every training rank runs this (SPMD). The scored rollout reaches it whole, in one canonical order, from the engines
 of this job's ranks (colocated: :meth:`StepRunner.run_step` produces it here first) or from engine ranks of their
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_dynamo.algorithms.advantages import get_advantage_estimator
 from megatron_dynamo.algorithms.modulation import modulation_scope
+from megatron_dynamo.algorithms.prompt_weights import prompt_weights
 from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_token_values, make_micro_batches,
                                            plan_token_micro_batches, resolve_pack_sequences, shard_for_rank,
                                            split_mini_batches)
@@ -137,8 +139,9 @@ class StepRunner:
             estimator = get_advantage_estimator(run.dynamo.advantage_estimator)
             advantages = estimator(torch.tensor(rewards, dtype=torch.float64), response_ids,
                                    normalize_std=run.dynamo.normalize_advantage_std)
+            weights = prompt_weights(response_ids, run.dynamo.loss.prompt_weight)
             samples = [Sample(i, pid, tuple(ptoks), tuple(rtoks), rewards[i], float(advantages[i]),
-                              engine_logp=rollout.logprobs[i])
+                              engine_logp=rollout.logprobs[i], loss_weight=float(weights[i]))
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
         if rank == 0:
             self._append_rows("prompts.jsonl", batch.step,
@@ -148,14 +151,15 @@ class StepRunner:
                 self._append_rows("rollouts.jsonl", batch.step, rows)
         self.current_step = batch.step
         update_metrics = self.update(samples, prompt_ids, timer)
-        counts = np.asarray(batch.counts)
+        counts = np.asarray(batch.counts, dtype=np.int64)
         reward_metrics = dict(batch.metrics)
         prompts_truncated = reward_metrics.pop("data/prompts_truncated", 0)
         return {
-            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
-            "rollouts": int(counts.sum()),
-            "alloc_min": int(counts.min()),
-            "alloc_max": int(counts.max()),
+            "reward_mean": float(batch.reward_mean),  # every generated response (dynamic sampling: every round's)
+            "rollouts": int(batch.rollouts),
+            "rollouts_trained": int(counts.sum()),
+            "alloc_min": int(counts.min()) if counts.size else 0,
+            "alloc_max": int(counts.max()) if counts.size else 0,
             "variance_ratio": float(batch.variance_ratio),
             "alloc_counts": [int(c) for c in counts],
             "reward/prompts_solved_frac": solved_fraction(response_ids, rewards),

@@ -183,9 +183,12 @@ def reduce_scope_gaps(local: list[tuple[int, int, dict[str, float]]]) -> dict[st
 
 
 def global_denominator(mini_batch: list[Sample], mode: str) -> float:
-    if mode == "token-mean":
-        return float(max(1, sum(s.num_response_tokens for s in mini_batch)))
-    return float(max(1, len(mini_batch)))
+    """The loss denominator of a mini-batch (every DP rank's share): its response tokens (``token-mean``) or
+    sequences, each weighted by its prompt weight (``algorithms/prompt_weights.py``; 1 by default)."""
+    from megatron_dynamo.algorithms.prompt_weights import weighted_denominator
+
+    return weighted_denominator([s.num_response_tokens for s in mini_batch], [s.loss_weight for s in mini_batch],
+                                mode)
 
 
 def solved_fraction(prompt_ids: list[str], rewards: list[float]) -> float:

@@ -1,0 +1,63 @@
+"""The preregistered analysis of the confirmatory ablation (issue 32): the tables of docs/results/testbed.md (the
+testbed's results page) from the committed raw data, and nothing else.
+
+    dynamo confirm benchmarks/results/confirmatory                                  # print the tables
+    dynamo confirm benchmarks/results/confirmatory --write docs/results/testbed.md  # put them in the page
+    dynamo confirm benchmarks/results/confirmatory --check docs/results/testbed.md  # exit 1 if the page differs
+
+DIR holds runs.csv (``dynamo ablate ... --raw-data DIR`` writes it). The analysis is fixed by the preregistration
+(docs/ablation.md, "Preregistration"; ``megatron_dynamo/report/confirmatory.py``): per hypothesis the per-seed
+contrast of held-out pass@1 over the preregistered seeds, its two-sided paired Student t interval and p-value, Holm's
+adjustment over all tests, the verdict by the preregistered rule, and the answers to the controls' questions. In
+the page the tables sit between ``<!-- confirm:DIR -->`` and ``<!-- /confirm -->``; the test suite fails when that
+block differs from what this command prints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("directory", help="directory with runs.csv (dynamo ablate --raw-data DIR)")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--write", metavar="PAGE", default=None,
+                        help="replace the tables' block in this Markdown file (appended when it has none)")
+    action.add_argument("--check", metavar="PAGE", default=None,
+                        help="exit 1 when this Markdown file's block differs from the tables (or is missing)")
+
+
+def run(args) -> int:
+    from megatron_dynamo.report.confirmatory_tables import committed_blocks, format_tables, replace_block
+    from megatron_dynamo.report.raw_data import RUNS_FILE, read_runs
+
+    source = os.path.normpath(args.directory)
+    path = os.path.join(source, RUNS_FILE)
+    try:
+        rows = read_runs(path)
+    except (OSError, ValueError) as exc:
+        print(f"dynamo confirm: {path}: {exc}", file=sys.stderr)
+        return 2
+    tables = format_tables(rows, source)
+    target = args.write or args.check
+    if target is None:
+        print(tables)
+        return 0
+    try:
+        with open(target, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        print(f"dynamo confirm: {target}: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        if committed_blocks(text).get(source) != tables:
+            print(f"dynamo confirm: {target}'s tables of {source} differ from the command's (or are missing): "
+                  f"run dynamo confirm {source} --write {target}", file=sys.stderr)
+            return 1
+        print(f"{target}: the tables of {source} are up to date")
+        return 0
+    with open(target, "w", encoding="utf-8") as f:
+        f.write(replace_block(text, source, tables))
+    print(f"wrote the tables of {source} into {target}")
+    return 0

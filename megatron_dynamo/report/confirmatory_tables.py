@@ -1,0 +1,129 @@
+"""The Markdown tables of the preregistered analysis (``dynamo confirm DIR``), generated from ``DIR/runs.csv`` only,
+and the block of docs/results/testbed.md that holds them.
+
+The block is delimited by ``<!-- confirm:DIR -->`` and ``<!-- /confirm -->`` (DIR relative to the repository
+root); :func:`replace_block` writes it, and the test suite fails when a committed block differs from what the
+command prints for the committed ``runs.csv`` (tests/test_confirmatory.py).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+from megatron_dynamo.report.ablation_variants import SFT, VARIANTS, display_order
+from megatron_dynamo.report.confirmatory import (ALPHA, DESCRIPTIVE, HYPOTHESES, SEEDS, analyse_runs)
+from megatron_dynamo.report.paired_stats import paired_t
+
+BEGIN = "<!-- confirm:{} -->"
+END = "<!-- /confirm -->"
+
+
+def _fmt(result: Mapping[str, Any], scale: float = 1.0, signed: bool = True, digits: int = 2) -> str:
+    if result.get("mean") is None:
+        return "n/a"
+    f = (lambda v: f"{scale * v:+.{digits}f}") if signed else (lambda v: f"{scale * v:.{digits}f}")  # noqa: E731
+    if result.get("lo") is None:
+        return f"{f(result['mean'])} ({result['n']} seed)"
+    return f"{f(result['mean'])} [{f(result['lo'])}, {f(result['hi'])}]"
+
+
+def _p(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "<0.0001" if value < 1e-4 else f"{value:.4f}"
+
+
+def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def variants_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Per variant: seeds, held-out pass@1 and pass@k (%, mean [95% t interval over seeds]), Δ pass@1 against its
+    reference (GRPO; GRPO at the high lr for the grid), train rollouts and wall minutes (means)."""
+    by_variant: dict[str, dict[int, Mapping[str, Any]]] = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], {})[int(r["seed"])] = r
+    k = next((int(r["k"]) for r in rows if r.get("k") is not None), None)
+    header = ["variant", "label", "seeds", "pass@1 (%)", f"pass@{k} (%)", "Δ pass@1 vs reference (points)",
+              "train rollouts", "wall (min)"]
+    out = []
+    order = ([SFT] if SFT in by_variant else []) + display_order([v for v in by_variant if v != SFT])
+    for name in order:
+        runs = by_variant[name]
+        seeds = sorted(runs)
+        reference = "grpo-hlr" if name.endswith("-hlr") else "grpo"
+        delta = "-"
+        if name not in (reference, SFT) and reference in by_variant:
+            diffs = {s: 100 * (runs[s]["pass1"] - by_variant[reference][s]["pass1"]) for s in seeds
+                     if s in by_variant[reference] and runs[s]["pass1"] is not None
+                     and by_variant[reference][s]["pass1"] is not None}
+            delta = f"{_fmt(paired_t(diffs))} vs {reference}"
+        rollouts = [runs[s]["train_rollouts"] for s in seeds if runs[s].get("train_rollouts") is not None]
+        walls = [runs[s]["wall_seconds"] for s in seeds if runs[s].get("wall_seconds") is not None]
+        label = "SFT start" if name == SFT else VARIANTS[name].label if name in VARIANTS else name
+        out.append([name, label, str(len(seeds)),
+                    _fmt(paired_t([runs[s]["pass1"] for s in seeds if runs[s]["pass1"] is not None]), 100, False),
+                    _fmt(paired_t([runs[s]["passk"] for s in seeds if runs[s]["passk"] is not None]), 100, False),
+                    delta, f"{sum(rollouts) / len(rollouts):.0f}" if rollouts else "-",
+                    f"{sum(walls) / len(walls) / 60:.1f}" if walls else "-"])
+    return _markdown(header, out)
+
+
+def hypotheses_table(analysis: Mapping[str, Any]) -> str:
+    """Every preregistered test: estimate [95% t interval], t, p, Holm-adjusted p, verdict; then the descriptive
+    contrasts (not tested)."""
+    header = ["", "contrast (held-out pass@1, points, paired by seed)", "seeds", "estimate [95% CI]", "t", "p",
+              "p (Holm)", "verdict"]
+    out = []
+    for h in HYPOTHESES:
+        t = analysis["tests"][h.key]
+        out.append([h.key, h.question, str(t["n"]), _fmt(t), f"{t['t']:.2f}" if t["t"] is not None else "-",
+                    _p(t["p"]), _p(t["p_holm"]), t["verdict"]])
+    for h in DESCRIPTIVE:
+        t = analysis["descriptive"][h.key]
+        out.append([h.key, h.question, str(t["n"]), _fmt(t), f"{t['t']:.2f}" if t["t"] is not None else "-",
+                    _p(t["p"]), "(not tested)", "-"])
+    return _markdown(header, out)
+
+
+def format_tables(rows: Sequence[Mapping[str, Any]], source: str) -> str:
+    """The block of the results page: the variants, the tests, the controls' answers (Markdown, no trailing newline)."""
+    analysis = analyse_runs(rows)
+    c1 = analysis["tests"]["C1"].get("ci90") or {}
+    answers = _markdown(["question", "answer (preregistered rule)"],
+                        [[q, a] for q, a in analysis["answers"].items()])
+    return "\n\n".join([
+        f"Generated by `dynamo confirm {source}` from `{source}/runs.csv` ({len(rows)} runs); do not edit by hand. "
+        f"Intervals: two-sided 95% Student t over seeds (paired by seed for differences); p: two-sided paired t; "
+        f"Holm over the {len(HYPOTHESES)} tests H1-C4 at {ALPHA}. Preregistered seeds {SEEDS[0]}..{SEEDS[-1]} "
+        "(docs/ablation.md, Preregistration).",
+        variants_table(rows),
+        hypotheses_table(analysis),
+        f"C1's 90% interval (equivalence at +-0.3 points): {_fmt(c1)}.",
+        answers,
+    ])
+
+
+def block_pattern(source: str) -> re.Pattern:
+    return re.compile(re.escape(BEGIN.format(source)) + r"\n(.*?)\n" + re.escape(END), re.S)
+
+
+def committed_blocks(text: str) -> dict[str, str]:
+    """{source directory: the block's text} of every confirm block in ``text``."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"<!-- confirm:(\S+) -->\n(.*?)\n" + re.escape(END), text,
+                                                        re.S)}
+
+
+def replace_block(text: str, source: str, tables: str) -> str:
+    """``text`` with the block of ``source`` replaced by ``tables`` (appended as a new block when it has none)."""
+    block = f"{BEGIN.format(source)}\n{tables}\n{END}"
+    pattern = block_pattern(source)
+    if pattern.search(text):
+        return pattern.sub(lambda _: block, text, count=1)
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+__all__ = ["BEGIN", "END", "block_pattern", "committed_blocks", "format_tables", "hypotheses_table",
+           "replace_block", "variants_table"]

@@ -1,0 +1,211 @@
+"""The preregistered analysis (issue 32): paired Student t intervals, Holm's adjustment and the power of the paired
+t test against independent references, the hypotheses' contrasts and verdicts on a made-up runs.csv whose effects
+are known exactly, ``dynamo confirm`` (print, write, check), and the committed tables of docs/results/testbed.md
+against what the command prints for the committed runs.csv."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hf_reference import REPO
+from megatron_dynamo.report.ablation_variants import HIGH_LR
+from megatron_dynamo.report.confirmatory import HYPOTHESES, SEEDS, analyse_runs, per_seed_contrast
+from megatron_dynamo.report.confirmatory_tables import committed_blocks, format_tables, replace_block
+from megatron_dynamo.report.paired_stats import holm, paired_t, paired_t_power, t_cdf, t_quantile
+from megatron_dynamo.report.raw_data import RUNS_COLUMNS, RUNS_FILE, read_runs
+
+RESULTS = os.path.join(REPO, "docs", "results", "testbed.md")  # the testbed's results page
+CONFIRMATORY = os.path.join("benchmarks", "results", "confirmatory")
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def test_t_quantiles_match_the_tables():
+    # scipy.stats.t.ppf's values (2.776, 2.262, ... of every printed table)
+    assert t_quantile(0.975, 4) == pytest.approx(2.7764451051977934, abs=1e-10)
+    assert t_quantile(0.975, 9) == pytest.approx(2.262157162798205, abs=1e-10)
+    assert t_quantile(0.95, 9) == pytest.approx(1.833112932656237, abs=1e-10)
+    assert t_quantile(0.025, 7) == pytest.approx(-2.3646242515927844, abs=1e-10)
+    assert t_quantile(0.975, 1) == pytest.approx(12.706204736174694, abs=1e-8)
+    assert t_cdf(0.0, 3) == 0.5 and t_cdf(2.262157162798205, 9) == pytest.approx(0.975, abs=1e-12)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 5, 9, 29, 200):
+        for q in (0.6, 0.9, 0.975, 0.999):
+            assert t_quantile(q, df) == pytest.approx(scipy_stats.t.ppf(q, df), abs=1e-9)
+
+
+def test_paired_t_of_last_rounds_dynamo_minus_grpo():
+    # issue 32: the 5 per-seed differences of 2026-11-25 give [+0.05, +1.09], not the bootstrap's [+0.2, +0.9]
+    d = [0.18, 0.92, 0.46, 1.09, 0.19]
+    result = paired_t(d)
+    mean, se = np.mean(d), np.std(d, ddof=1) / math.sqrt(5)
+    assert result["mean"] == pytest.approx(mean) and result["se"] == pytest.approx(se)
+    assert result["lo"] == pytest.approx(mean - 2.7764451051977934 * se)
+    assert result["hi"] == pytest.approx(mean + 2.7764451051977934 * se)
+    assert (round(result["lo"], 2), round(result["hi"], 2)) == (0.05, 1.09)
+    assert result["t"] == pytest.approx(mean / se) and result["df"] == 4
+    assert result["p"] == pytest.approx(0.03867102652334977, rel=1e-9)  # scipy.stats.ttest_1samp
+    assert paired_t([1.0])["lo"] is None and paired_t([])["n"] == 0
+    flat = paired_t([0.5, 0.5, 0.5])
+    assert flat["lo"] == flat["hi"] == 0.5 and flat["p"] == 0.0
+
+
+def test_holm_adjusts_step_down_and_monotone():
+    adjusted = holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": None, "e": 0.5})
+    # sorted 0.01, 0.03, 0.04, 0.5 (m = 4): 0.04, max(0.04, 0.09), max(0.09, 0.08), max(0.09, 0.5)
+    assert adjusted.pop("d") is None
+    assert adjusted == pytest.approx({"a": 0.04, "c": 0.09, "b": 0.09, "e": 0.5})
+    assert holm({"x": 0.6, "y": 0.7}) == {"x": 1.0, "y": 1.0}
+
+
+def test_power_of_the_paired_t_test():
+    # the normal limit: power -> Phi(delta/SE - z) + Phi(-delta/SE - z) for many degrees of freedom
+    z = 1.959963984540054
+    normal = 0.5 * (1 + math.erf((3.0 - z) / math.sqrt(2))) + 0.5 * (1 + math.erf((-3.0 - z) / math.sqrt(2)))
+    assert paired_t_power(0.3, 0.1, 5000) == pytest.approx(normal, abs=2e-4)
+    assert paired_t_power(0.0, 0.1, 9) == pytest.approx(0.05, abs=1e-9)  # no effect: the test's size
+    assert paired_t_power(0.6, 0.125, 9) == pytest.approx(0.9888063497733043, abs=1e-9)  # scipy's nct
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for effect, se, df, alpha in ((0.14, 0.07, 9, 0.05), (0.25, 0.07, 9, 0.005), (0.3, 0.1, 7, 0.05)):
+        c = scipy_stats.t.ppf(1 - alpha / 2, df)
+        expected = scipy_stats.nct.sf(c, df, effect / se) + scipy_stats.nct.cdf(-c, df, effect / se)
+        assert paired_t_power(effect, se, df, alpha) == pytest.approx(expected, abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------- the analysis
+def _made_up_rows():
+    """runs.csv rows whose contrasts are known: an additive DRA/GC/UMS model (DRA +0.5, GC +0.1, UMS +0.2 points)
+    with a seed-dependent wobble on DynaMO, a constant positive weight equal to GC within 0.01 points, DRA's
+    allocation with equal weights +0.4, dynamic sampling +0.05, and GRPO 3 points worse at the high lr, where UMS
+    gains 1 point."""
+    def wobble(seed, scale):  # mean 0 over seeds 6..15
+        return scale * ((seed % 3) - 1 + (seed == 15))
+
+    rows = []
+    for seed in range(6, 16):
+        base = 0.15 + 0.002 * (seed % 4)
+        values = {}
+        for dra in (0, 1):
+            for gc in (0, 1):
+                for ums in (0, 1):
+                    name = {(0, 0, 0): "grpo", (1, 0, 0): "dra", (0, 1, 0): "gc", (0, 0, 1): "ums", (1, 1, 0): "dra+gc",
+                            (1, 0, 1): "dra+ums", (0, 1, 1): "gc+ums", (1, 1, 1): "dynamo"}[dra, gc, ums]
+                    values[name] = base + 0.005 * dra + 0.001 * gc + 0.002 * ums
+        values["dynamo"] += wobble(seed, 0.001)
+        values["pos_weight"] = values["gc"] + wobble(seed, 0.0001)
+        values["dra-equal"] = values["grpo"] + 0.004 + wobble(seed, 0.0005)
+        values["grpo+ds"] = values["grpo"] + 0.0005 + wobble(seed, 0.002)
+        values["dynamo+ds"] = values["dynamo"] + 0.0005 + wobble(seed, 0.002)
+        if seed <= 13:
+            values["grpo-hlr"] = values["grpo"] - 0.03
+            values["gc-hlr"] = values["grpo-hlr"] + 0.001
+            values["ums-hlr"] = values["grpo-hlr"] + 0.01 + wobble(seed, 0.001)
+            values["gc+ums-hlr"] = values["gc-hlr"] + 0.01 + wobble(seed, 0.001)
+        for name, value in values.items():
+            rows.append({"variant": name, "seed": seed, "pass1": value, "passk": value + 0.4, "k": 8,
+                         "train_rollouts": 3840 * (2 if name.endswith("+ds") else 1), "steps": 30,
+                         "wall_seconds": 120.0})
+    rows.append({"variant": "sft", "seed": 1234, "pass1": 0.146, "passk": 0.534, "k": 8, "train_rollouts": 0,
+                 "steps": 0, "wall_seconds": 170.0})
+    return rows
+
+
+def test_contrasts_tests_and_verdicts_on_known_effects():
+    rows = _made_up_rows()
+    pass1 = {(r["variant"], r["seed"]): r["pass1"] for r in rows}
+    h = {h.key: h for h in HYPOTHESES}
+    assert per_seed_contrast(pass1, h["H2"]) == pytest.approx({s: 0.5 + 0.025 * ((s % 3) - 1 + (s == 15))
+                                                               for s in SEEDS})  # dynamo's wobble, a quarter
+    assert per_seed_contrast(pass1, h["H3"]) == pytest.approx({s: 0.1 + 0.025 * ((s % 3) - 1 + (s == 15))
+                                                               for s in SEEDS})
+    assert sorted(per_seed_contrast(pass1, h["C4"])) == list(range(6, 14))  # the grid's 8 seeds
+    analysis = analyse_runs(rows)
+    tests = analysis["tests"]
+    assert tests["H1"]["mean"] == pytest.approx(0.8) and tests["H1"]["n"] == 10
+    assert tests["H4"]["mean"] == pytest.approx(0.2) and tests["C2b"]["mean"] == pytest.approx(0.1)
+    adjusted = holm({k: t["p"] for k, t in tests.items()})
+    assert all(tests[k]["p_holm"] == adjusted[k] for k in tests)
+    assert tests["H2"]["verdict"].startswith("positive") and "above the scaled paper prediction +0.22" in \
+        tests["H2"]["verdict"]
+    assert tests["C3a"]["verdict"] == "not resolved"  # +0.05 in a wobble of +-0.2
+    assert analysis["descriptive"]["D1"]["mean"] == pytest.approx(-3.0)
+    answers = analysis["answers"]
+    assert answers["Is GC a constant positive:negative reweighting?"].startswith("yes")
+    assert answers["Is DRA's gain variance reduction or curriculum?"].startswith("both")
+    assert answers[f"Does UMS stabilise GRPO at lr {HIGH_LR}?"] == "yes"
+    # no degradation at the high lr: the grid is uninformative, whatever UMS does there
+    flat = [{**r, "pass1": r["pass1"] + 0.03} if r["variant"].endswith("-hlr") else r for r in rows]
+    assert analyse_runs(flat)["answers"][f"Does UMS stabilise GRPO at lr {HIGH_LR}?"].startswith("uninformative")
+
+
+def _write_runs(directory, rows):
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, RUNS_FILE), "w", newline="") as f:
+        writer = csv.DictWriter(f, RUNS_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _confirm(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "confirm", *args], capture_output=True,
+                          text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": REPO})
+
+
+def test_dynamo_confirm_prints_writes_and_checks_the_tables(tmp_path):
+    _write_runs(tmp_path / "data", _made_up_rows())
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nsome text\n")
+    printed = _confirm("data", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.rstrip("\n") == format_tables(read_runs(str(tmp_path / "data" / RUNS_FILE)), "data")
+    text = printed.stdout
+    assert "| H1 | DynaMO - GRPO (primary) | 10 | +0.80 [" in text and "| sft | SFT start | 1 | 14.60 (1 seed)" in text
+    assert "| grpo+ds | GRPO + dynamic sampling | 10 |" in text and "| 7680 |" in text
+    assert _confirm("data", "--check", "RESULTS.md", cwd=tmp_path).returncode == 1  # no block yet
+    assert _confirm("data", "--write", "RESULTS.md", cwd=tmp_path).returncode == 0
+    written = results.read_text()
+    assert written.startswith("# Results\n\nsome text\n\n<!-- confirm:data -->\n")
+    assert _confirm("data", "--check", "RESULTS.md", cwd=tmp_path).returncode == 0
+    results.write_text(written.replace("+0.80 [", "+0.81 ["))  # a hand edit of a committed table
+    check = _confirm("data", "--check", "RESULTS.md", cwd=tmp_path)
+    assert check.returncode == 1 and "differ" in check.stderr
+    assert _confirm("data", "--write", "RESULTS.md", cwd=tmp_path).returncode == 0
+    assert results.read_text() == written  # replaced in place, not appended again
+    missing = _confirm("nowhere", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+
+
+def test_replace_block_keeps_the_text_around_it():
+    text = "a\n<!-- confirm:x -->\nold\n<!-- /confirm -->\nb\n"
+    assert replace_block(text, "x", "new") == "a\n<!-- confirm:x -->\nnew\n<!-- /confirm -->\nb\n"
+    assert committed_blocks(text) == {"x": "old"}
+
+
+def test_the_committed_tables_are_what_the_command_prints():
+    """Every confirm block of docs/results/testbed.md equals ``dynamo confirm DIR`` for the committed DIR/runs.csv,
+    and committed confirmatory data has its block."""
+    blocks = committed_blocks(open(RESULTS, encoding="utf-8").read())
+    if os.path.isfile(os.path.join(REPO, CONFIRMATORY, RUNS_FILE)):
+        assert CONFIRMATORY in blocks, f"{CONFIRMATORY}/runs.csv is committed but docs/results/testbed.md has no tables of it"
+    for source, block in blocks.items():
+        rows = read_runs(os.path.join(REPO, source, RUNS_FILE))
+        assert block == format_tables(rows, source), \
+            f"the tables of {source} are stale: dynamo confirm {source} --write docs/results/testbed.md"
+
+
+def test_the_preregistrations_power_table_is_what_the_script_prints():
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("power_calc", os.path.join(REPO, "scripts", "power_calc.py"))
+    power_calc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(power_calc)
+    doc = open(os.path.join(REPO, "docs", "ablation.md"), encoding="utf-8").read()
+    (block,) = re.findall(r"<!-- power:preregistration -->\n(.*?)\n<!-- /power -->", doc, re.S)
+    assert block == power_calc.preregistration_table()
