@@ -92,30 +92,26 @@ def test_an_allocation_past_the_limit_fails_and_the_answer_is_an_error(monkeypat
 
 
 def test_the_trainer_scores_with_the_runs_reward_limits(monkeypatch, tmp_path):
-    """Trainer._build gives the scorer reward.timeout_seconds / batch_seconds / worker_memory_mb (before: no
-    budget at all); 0 turns the budget off; bad values are config errors."""
+    """The scorer of a training or engine rank (rollout_setup.create_scorer, which Trainer and the engine ranks
+    call) gets reward.timeout_seconds / batch_seconds / worker_memory_mb (before: no budget at all); 0 turns the
+    budget off; an engine's other ranks get none; bad values are config errors."""
     from types import SimpleNamespace
 
     from megatron_dynamo.config import ConfigError
     from megatron_dynamo.reward import math_reward
     from megatron_dynamo.rollout.sharding import EngineLayout
-    from megatron_dynamo.trainer import actor as actor_module
     from megatron_dynamo.trainer.config import load_run_config
-    from megatron_dynamo.trainer.trainer import Trainer, build_tokenizer
+    from megatron_dynamo.trainer.rollout_setup import create_scorer
 
     made = []
-    monkeypatch.setattr(actor_module, "MegatronActor", lambda *args, **kwargs: None)
     monkeypatch.setattr(math_reward, "MathRewardScorer", lambda *args, **kwargs: made.append((args, kwargs)))
-    monkeypatch.setattr(Trainer, "_build_engine", lambda self: SimpleNamespace(layout=EngineLayout(0, 1, 1)))
+    leader, follower = SimpleNamespace(layout=EngineLayout(0, 2, 2)), SimpleNamespace(layout=EngineLayout(1, 2, 2))
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_default.yaml")
     for overrides, budget in (([], 600.0), (["reward.batch_seconds=0", "reward.timeout_seconds=3"], None)):
         run = load_run_config(config, [f"trainer.output_dir={tmp_path / 'run'}", "reward.worker_memory_mb=512",
                                        *overrides])
-        trainer = Trainer.__new__(Trainer)
-        trainer.run, trainer.rank, trainer.output_dir = run, 0, tmp_path / "run"
-        trainer.hf_config = {"vocab_size": 128}
-        trainer.tokenizer = build_tokenizer(run, trainer.output_dir)
-        trainer._build()
+        assert create_scorer(run, follower) is None and not made
+        create_scorer(run, leader)
         args, kwargs = made.pop()
         assert args[1] == run.reward.timeout_seconds
         assert kwargs == {"max_batch_seconds": budget, "worker_memory_mb": 512}
