@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install the CPU test environment from the lock file (exact versions of every package, torch's CPU build
 # included) plus this project, and run the test suite. This is the README's test command; .ci/run calls it.
-# Extra arguments go to pytest. Refresh the lock with scripts/lock_cpu.sh.
+# Extra arguments go to pytest. CI's suite leaves out the tests marked `extended` (larger variants of properties
+# other tests check; docs/testing.md); `--all` as the first argument runs them too. Refresh the lock with
+# scripts/lock_cpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip="python -m pip --quiet --disable-pip-version-check"
@@ -19,8 +21,13 @@ if [[ $(id -u) -eq 0 ]] && ! { [[ -x /usr/bin/chromium ]] && [[ -x /usr/bin/chro
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
     || echo "run_tests: chromium did not install; the browser check of the documentation skips" >&2
 fi
+tier=(-m "not extended")  # a -m of the caller's, given later, replaces it
+if [[ "${1:-}" == "--all" ]]; then
+  tier=()
+  shift
+fi
 set +e
-python -m pytest "$@"
+python -m pytest "${tier[@]}" "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -154,6 +154,7 @@ def _cli(output_dir, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_cli_resume_skips_flipped_optimizer_bytes_and_replaces_the_damaged_step(tmp_path):
     """The issue's case: 2 KB of random bytes in an optimizer shard loaded silently and the run went on with

@@ -40,6 +40,7 @@ def _mounted_tmpfs(path: Path, options: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_mid_save_is_one_line_and_keeps_latest(tmp_path):
     """25 MB hold two checkpoints of the CPU default (10.1 MB each) but not a third: the step-3 save fails. Before:
     `CheckpointException ... unexpected pos` traceback, a step_000003.tmp left, and (periodic saves) the run went
@@ -88,6 +89,7 @@ def test_unwritable_directories_are_refused_before_anything_runs(tmp_path):
             assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_size_estimate_against_a_saved_checkpoint(tmp_path):
     """The preflight's estimate of one checkpoint (weights, Adam moments, fp32 master weights of bf16) is at least
     the size of a real one and at most 15 % + 1 MiB above it, for fp32 and bf16 (measured: a step of each)."""

@@ -298,6 +298,7 @@ def _train(output_dir, *extra, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
 
+@pytest.mark.slow
 def test_cli_resume_the_converter_and_eval_refuse_the_issues_payload(tmp_path):
     """The issue's case end to end: a .metadata payload in step 2 with the manifest re-hashed ran on --resume
     ("--resume: loaded step 2", exit 0) and in `python -m checkpoints_convert megatron-to-hf` (which dynamo eval and

@@ -25,16 +25,17 @@ def test_cpu_default_console_is_one_line_per_step(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     lines = proc.stdout.splitlines()
-    # A fixed header (the command, the SFT warm-up), one line per step, a footer, all on stdout (`> log` keeps
+    # A fixed header (the command, the layout, the checkpoints' trust, the SFT warm-up), one line per step, a footer, all on stdout (`> log` keeps
     # them all: the warm-up and the footer went to stderr before); nothing from the libraries, nothing on stderr.
     assert proc.stderr == "", proc.stderr
-    assert len(lines) == 3 + 3 + 1, proc.stdout
+    assert len(lines) == 4 + 3 + 1, proc.stdout
     assert lines[0] == f"dynamo train: {CPU_DEFAULT} (dynamo), 3 steps -> {tmp_path / 'run'}"
     assert lines[1] == "dynamo train: 1 rank (this process): DP 1 x TP 1 x PP 1; 1 rollout engine of 1 rank"
-    assert lines[2].startswith("SFT warm-up: 10 steps, loss ")
-    for step, line in enumerate(lines[3:6], start=1):
+    assert lines[2].startswith("dynamo train: checkpoints are checked for integrity only")  # no key set here
+    assert lines[3].startswith("SFT warm-up: 10 steps, loss ")
+    for step, line in enumerate(lines[4:7], start=1):
         assert line.startswith(f"step {step}/3 | reward ") and " | ETA " in line, line
-    assert lines[6].startswith("done: 3 steps in ") and lines[6].endswith(str(tmp_path / "run"))
+    assert lines[7].startswith("done: 3 steps in ") and lines[7].endswith(str(tmp_path / "run"))
     assert not any(word in proc.stdout for word in ("WARNING", "Warning", "vllm", "vLLM", "Triton")), proc.stdout
 
 

@@ -458,8 +458,10 @@ def test_cli_spawns_workers_converts_and_verifies(models, tmp_path):
     assert code == 0, err
     diff = float(out.split("max_abs_logit_diff")[1].split()[0])
     assert diff <= 1e-4 and "PASS" in err, (out, err)
-    # The trainer's quiet console: the verdict alone, no library FutureWarning / UserWarning, no progress bar.
-    assert len(err.splitlines()) == 1 and err.startswith("verify: "), err
+    # The trainer's quiet console: the checkpoint's verification and the verdict, no library FutureWarning /
+    # UserWarning, no progress bar.
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"verify: {meg} verified; ") and "PASS" in lines[1], err
     code, _, err = _program("hf-to-megatron", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--out",
                             tmp_path / "meg1")
     assert code == 0, err

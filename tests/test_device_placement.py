@@ -90,7 +90,8 @@ def _trainer_worker(rank, world_size, output_dir, overrides):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
-                                    ["parallel.pipeline_parallel=2"]], ids=["tp2-sp", "pp2"])
+                                    pytest.param(["parallel.pipeline_parallel=2"], marks=pytest.mark.extended)],
+                         ids=["tp2-sp", "pp2"])
 def test_training_steps_keep_tensors_on_the_model_device(tmp_path, layout):
     results = run_on_ranks(_trainer_worker, 2, str(tmp_path / "run"), layout)
     metrics = results[0]["metrics"]
@@ -103,6 +104,7 @@ def _dp_worker(rank, world_size, output_dir):
     return _trainer_worker(rank, world_size, output_dir, [])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_data_parallel_step_keeps_tensors_on_the_model_device(tmp_path):
@@ -144,6 +146,7 @@ def _sp_worker(rank, world_size, config, sequence_parallel, seq_len):
             "grads": grads, "stepped": stepped}
 
 
+@pytest.mark.extended
 @pytest.mark.distributed
 def test_sequence_parallel_equals_plain_tensor_parallel():
     from hf_reference import TINY_QWEN2

@@ -396,6 +396,7 @@ def test_dynamo_eval_command_on_a_megatron_checkpoint(tiny_model, tmp_path):
     assert (out / "samples.jsonl").read_bytes() == samples
 
 
+@pytest.mark.extended
 @pytest.mark.distributed
 def test_dynamo_eval_on_two_engines_writes_what_one_engine_writes(tiny_model, tmp_path):
     """`--nproc 2` (TP 1: two vLLM engines, each batch of problems split over them) against `--nproc 1`: the same

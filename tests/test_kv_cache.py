@@ -61,6 +61,7 @@ def test_a_bad_override_is_refused(value):
         load_run_config(CPU_DEFAULT, [f"rollout.cpu_kvcache_gb={value}"])
 
 
+@pytest.mark.slow
 def test_the_engine_allocates_that_cache_and_serves_a_whole_step(tmp_path, monkeypatch):
     """vLLM (CPU) started with the CPU default's computed size holds exactly that many bytes of KV cache and
     generates a whole step (32 prompts x 8 samples of the synthetic task) from it without preempting a sequence."""

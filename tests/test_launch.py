@@ -669,6 +669,7 @@ def test_converter_launched_with_the_wrong_world_size_says_so_in_one_line(tiny_m
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sft_warmup_is_the_same_computation_at_one_and_two_data_parallel_ranks(tmp_path):

@@ -344,6 +344,7 @@ def test_an_engine_rank_failure_is_one_error_on_every_rank_naming_it(tmp_path):
     assert trainer_error == f"the rollout engine ranks failed: {engine_error}", trainer_error
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_baseline_with_a_mini_batch_selection_trains_one_step_off_policy(tmp_path):

@@ -27,6 +27,7 @@ def _score(scorer, answers):
     return result, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_past_the_batch_budget_the_remaining_answers_score_zero_and_are_counted():
     with MathRewardScorer(num_workers=2, timeout_seconds=TIMEOUT, hard_timeout_seconds=8.0) as unlimited:
         _score(unlimited, ["\\boxed{1}"])  # the workers' start-up is not scoring time

@@ -368,6 +368,7 @@ def separate_reference(tmp_path_factory):
     return rows
 
 
+@pytest.mark.extended
 def test_train_sbatch_engine_node_one_step_ahead_requeues_and_resumes_exactly(slurm, separate_reference, tmp_path):
     """train.sbatch on 2 nodes x 1 rank with the engine on the second node (rollout.placement=separate, one step
     off-policy): the time-limit signal makes the trainer save the step it is on with the batch generated ahead,

@@ -427,6 +427,7 @@ def test_nan_loss_is_skipped_and_an_engine_failure_reaches_every_rank(tmp_path):
         assert "--resume" in out["generate"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_tp2_pp2_and_dp2_runs_match_tp1(uninterrupted, tmp_path):
     # Every layout starts from the same trained model (the module's run, exported to HF), so the weights are equal
