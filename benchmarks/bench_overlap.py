@@ -27,11 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import child_process  # noqa: E402  (benchmarks/child_process.py)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +46,7 @@ def _run(config: str, out: Path, overrides: list[str], nproc: int) -> float:
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = child_process.run(cmd, cwd=REPO)
     if proc.returncode:
         raise SystemExit(f"bench_overlap: {' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return time.perf_counter() - start
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/bench_overlap", help="run directories, JSON and plot")
     parser.add_argument("--json", default=None, help="also write the JSON here (e.g. benchmarks/results/...)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stops the run in progress too (child_process.run)
     out = Path(args.out).resolve()
     seeds = [int(s) for s in args.seeds.split(",")]
     common = list(args.overrides) + ([f"trainer.steps={args.steps}"] if args.steps else [])

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import child_process  # benchmarks/child_process.py (this folder is on sys.path wherever peer_tree is imported)
+
 
 @dataclass
 class RunTrace:
@@ -98,13 +100,7 @@ def trace_run(cmd: list[str], cwd: Path, step_log: Path, console: Path, interval
                     break
                 time.sleep(interval)
         except BaseException:  # interrupted (Ctrl-C, SIGTERM as SystemExit): the run must not outlive us
-            for stop in (proc.terminate, proc.terminate, proc.kill):  # ours stops at once on a second SIGTERM
-                stop()
-                try:
-                    proc.wait(timeout=10)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            child_process.stop(proc)
             raise
     trace.exit_code = proc.returncode
     trace.load_after = os.getloadavg()[0]
