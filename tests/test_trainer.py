@@ -357,7 +357,7 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
 
 
 def _fault_worker(rank, world_size, output_dir):
-    from megatron_dynamo.trainer import step as step_module
+    from megatron_dynamo.trainer import update as update_module
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.trainer import Trainer
 
@@ -366,7 +366,7 @@ def _fault_worker(rank, world_size, output_dir):
                                         "dynamo.allocation.n_avg=4", "dynamo.allocation.n_min=2",
                                         "dynamo.allocation.n_max=6", "logging.tensorboard=false"])
     trainer = Trainer(run)
-    real_loss_fn = step_module.dynamo_loss_fn
+    real_loss_fn = update_module.dynamo_loss_fn
 
     def nan_loss_fn(*args, **kwargs):
         inner = real_loss_fn(*args, **kwargs)
@@ -381,11 +381,11 @@ def _fault_worker(rank, world_size, output_dir):
 
     sync_weights(trainer.engine, trainer.actor, dtype=trainer.rollout_dtype)
     before = {n: p.detach().clone() for n, p in trainer.actor.named_parameters()}
-    step_module.dynamo_loss_fn = nan_loss_fn
+    update_module.dynamo_loss_fn = nan_loss_fn
     try:
         nan_metrics = trainer.runner.run_step(1)
     finally:
-        step_module.dynamo_loss_fn = real_loss_fn
+        update_module.dynamo_loss_fn = real_loss_fn
     unchanged = all(torch.equal(before[n], p) for n, p in trainer.actor.named_parameters())
     good_metrics = trainer.runner.run_step(2)
 

@@ -1,6 +1,6 @@
 """The supervised warm-up before RL: steps on (prompt, reference answer + EOS), so that a model from scratch solves
 some prompts before RL has any signal (the synthetic CPU default). Same micro-batching and the same Megatron actor
-as the RL update (``StepRunner.micro_batches_for``), a token-mean loss over the data-parallel ranks."""
+as the RL update (``PolicyUpdater.micro_batches_for``), a token-mean loss over the data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def sft_warmup(run, examples, tokenizer, actor, runner, rank: int) -> list[float
         order = torch.randperm(len(samples), generator=generator)[:batch].tolist()
         chosen = [samples[i] for i in order]
         denominator = float(sum(s.num_response_tokens for s in chosen))
-        micro = runner.micro_batches_for(chosen)
-        results = actor.forward_backward(micro, sft_loss_fn(denominator), output=runner.model_output)
+        micro = runner.updater.micro_batches_for(chosen)
+        results = actor.forward_backward(micro, sft_loss_fn(denominator), output=runner.updater.model_output)
         actor.optimizer_step()
         from megatron.core import parallel_state
 
