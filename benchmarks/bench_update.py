@@ -162,7 +162,7 @@ def _worker(cfg: dict) -> dict:
         if not mini:
             continue
         for mb in runner.updater.micro_batches_for(mini):
-            n = int(mb["input_ids"].numel())
+            n = int(mb.input_ids.numel())
             layout["micro_batches"] += 1
             layout["computed_tokens"] += n
             layout["largest_micro_batch_tokens"] = max(layout["largest_micro_batch_tokens"], n)

@@ -1,7 +1,7 @@
 """The import graph keeps its rules (scripts/architecture.py): no circle between modules or packages, no import up
-the layers, no Megatron/vLLM in algorithms/, no private name taken from another module, no module over 400 lines, no product
-function over 60 lines but the listed ones (a list that only shrinks); docs/architecture.md shows the arrows of the
-code as it is. Planted trees show that each check fails."""
+the layers, no Megatron/vLLM in algorithms/, no private name taken from another module, no module over 400 lines,
+no product function over 60 lines but the listed ones (a list that only shrinks); docs/architecture.md shows the
+arrows of the code as it is. Planted trees show that each check fails."""
 
 from __future__ import annotations
 

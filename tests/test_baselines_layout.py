@@ -55,9 +55,9 @@ def _worker(rank, world_size, parallel, cases):
         loss_fn = dynamo_loss_fn(run.dynamo.modulation, run.dynamo.loss, None, tokens, run.rollout.temperature)
         results = actor.forward_backward(micro, loss_fn, output=runner.model_output)
         selection = {}
-        if last and "selection" in micro[0]:
+        if last and micro[0].selection is not None:
             for mb in micro:
-                selection.update(gather_token_values(mb, mb["selection"]))
+                selection.update(gather_token_values(mb, mb.selection))
         out[algo, plan] = {"selection": selection, "loss": sum(float(r["loss"]) for r in results) if last else None,
                            "grads": {n: p.main_grad.detach().clone() for n, p in actor.named_parameters()}}
         actor.zero_grad()

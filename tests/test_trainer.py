@@ -66,12 +66,12 @@ def _samples():
 
 def test_micro_batch_layout_marks_exactly_the_response_labels():
     (mb,) = make_micro_batches(_samples()[:2], micro_batch_size=3, pad_token_id=0)
-    assert mb["input_ids"].shape == (3, 4)
-    assert mb["input_ids"][0].tolist() == [5, 6, 7, 8] and mb["labels"][0].tolist() == [6, 7, 8, 9]
-    assert mb["loss_mask"][0].tolist() == [0, 0, 1, 1]
-    assert mb["labels"][1][:3].tolist() == [1, 2, 3] and mb["loss_mask"][1].tolist() == [1, 1, 1, 0]
-    assert mb["sample_index"].tolist() == [0, 1, -1] and mb["loss_mask"][2].sum() == 0
-    assert mb["advantages"].tolist() == [0.5, -1.0, 0.0]
+    assert mb.input_ids.shape == (3, 4)
+    assert mb.input_ids[0].tolist() == [5, 6, 7, 8] and mb.labels[0].tolist() == [6, 7, 8, 9]
+    assert mb.loss_mask[0].tolist() == [0, 0, 1, 1]
+    assert mb.labels[1][:3].tolist() == [1, 2, 3] and mb.loss_mask[1].tolist() == [1, 1, 1, 0]
+    assert mb.sample_index.tolist() == [0, 1, -1] and mb.loss_mask[2].sum() == 0
+    assert mb.advantages.tolist() == [0.5, -1.0, 0.0]
 
 
 def test_mini_batches_follow_prompt_ids_and_shards_cover_everything():

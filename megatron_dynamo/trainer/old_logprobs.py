@@ -62,8 +62,8 @@ def entropies_from_update(plans, results, last_stage: bool) -> torch.Tensor:
         return torch.zeros(0)
     entropies = []
     for mb, out in zip(micro, results):
-        mb["old_logp"] = out["token/logp"]
-        entropies.append(out["token/entropy"][mb["loss_mask"].bool()])
+        mb.old_logp = out["token/logp"]
+        entropies.append(out["token/entropy"][mb.loss_mask.bool()])
     return torch.cat(entropies) if entropies else torch.zeros(0)
 
 

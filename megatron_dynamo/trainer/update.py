@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynamo.algorithms.modulation import ModulationScope, modulation_scope
-from megatron_dynamo.trainer.batch import (Sample, build_micro_batches, gather_token_values, make_micro_batches,
-                                           plan_token_micro_batches, resolve_pack_sequences, shard_for_rank,
-                                           split_mini_batches)
+from megatron_dynamo.trainer.batch import (Sample, UpdateBatch, build_micro_batches, gather_token_values,
+                                           make_micro_batches, plan_token_micro_batches, resolve_pack_sequences,
+                                           shard_for_rank, split_mini_batches)
 from megatron_dynamo.trainer.old_logprobs import (entropies_from_update, old_entropies, old_logprob_pass,
                                                   old_policy_metrics, update_gives_old_logprobs)
 from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, token_stats_fn
@@ -38,7 +38,7 @@ from megatron_dynamo.trainer.token_selection import scatter_selections
 Timer = Callable[[str], ContextManager]
 
 #: A mini-batch as the update runs it: its samples and this rank's micro-batches of them.
-Plan = tuple[list[Sample], list]
+Plan = tuple[list[Sample], list[UpdateBatch]]
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,10 @@ class UpdateTally:
     scope_gaps: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)  # (epoch, mini-batch, gaps)
     last_results: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, key: str, value: float, weight: float) -> None:
+    def add(self, key: str, value: float, count: float) -> None:
+        """``value`` into the sum of ``key`` and ``count`` into its count (its mean: sums over counts)."""
         s, c = self.sums.get(key, (0.0, 0.0))
-        self.sums[key] = (s + value * weight, c + weight)
+        self.sums[key] = (s + value, c + count)
 
     def add_loss_outputs(self, results: list[dict[str, Any]], loss: float, dp_rank: int) -> None:
         """One mini-batch's loss outputs (this rank's micro-batches) into the sums: token-weighted means; the token
@@ -75,7 +76,8 @@ class UpdateTally:
             n = float(r.get("actor/num_tokens", 0.0))
             for key, value in r.items():
                 if key.startswith(("actor/", "modulation/")) and not key.endswith("/num_tokens"):
-                    self.add(key, float(value), float(r.get(f"{key}/num_tokens", n)))
+                    weight = float(r.get(f"{key}/num_tokens", n))
+                    self.add(key, float(value) * weight, weight)
         # Micro-batch losses carry the global denominator: their sum over micro-batches and DP ranks is the
         # mini-batch loss; count each update once (on DP rank 0).
         self.add("loss", float(loss), 1.0 if dp_rank == 0 else 0.0)
@@ -104,7 +106,7 @@ class PolicyUpdater:
         self.pad_token_id = pad_token_id
 
     # ------------------------------------------------------------------ model work
-    def micro_batches_for(self, samples: list[Sample]):
+    def micro_batches_for(self, samples: list[Sample]) -> list[UpdateBatch]:
         """This data-parallel rank's share of ``samples`` (one optimizer step's worth) as micro-batches on the
         model's device. Every DP rank gets the same number of micro-batches (the largest share decides), so that
         the ranks of a data-parallel group run matching schedules; a rank with no sample gets empty ones.
@@ -140,7 +142,7 @@ class PolicyUpdater:
         else the logits in the model dtype."""
         return "hidden" if self.run.trainer.fused_output_layer else "logits"
 
-    def forward_token_stats(self, micro_batches) -> dict[int, dict[str, torch.Tensor]]:
+    def forward_token_stats(self, micro_batches: list[UpdateBatch]) -> dict[int, dict[str, torch.Tensor]]:
         """Forward-only pass: per sample index, its response tokens' logp / entropy / sum_pi2_lambda (last stage)."""
         fn = token_stats_fn(self.run.rollout.temperature, self.run.dynamo.token_stats_chunk)
         results = self.actor.forward_backward(micro_batches, fn, forward_only=True, output=self.model_output)
@@ -205,7 +207,8 @@ class PolicyUpdater:
                                                modulation, group=layout.dp_group) for _, micro in plans]
         return scopes
 
-    def current_policy_scope(self, micro: list, layout: UpdateLayout, timer: Timer) -> ModulationScope | None:
+    def current_policy_scope(self, micro: list[UpdateBatch], layout: UpdateLayout,
+                             timer: Timer) -> ModulationScope | None:
         """The exact two-pass form: the mini-batch's scope under the current weights, from a no-grad forward (on
         every stage; the scope itself on the last)."""
         with timer("modulation_scope"):
@@ -216,7 +219,7 @@ class PolicyUpdater:
             return modulation_scope(inputs, self.run.dynamo.modulation, group=layout.dp_group)
 
     # ------------------------------------------------------------------ one optimizer step
-    def train_mini_batch(self, mini: list[Sample], micro: list, scope: ModulationScope | None,
+    def train_mini_batch(self, mini: list[Sample], micro: list[UpdateBatch], scope: ModulationScope | None,
                          old_scope: ModulationScope | None, where: tuple[int, int], layout: UpdateLayout,
                          tally: UpdateTally, timer: Timer) -> None:
         """Forward/backward of one mini-batch (``where``: its PPO epoch and index) with the modulation of ``scope``
