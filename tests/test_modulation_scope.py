@@ -126,3 +126,5 @@ def test_trainer_reports_the_scope_gap_per_mini_batch(tmp_path):
         assert row["modulation/scope_gap_beta_comp_max"] == max(g[0] for g in gaps)
         assert row["modulation/scope_gap_beta_stab_max"] == max(g[2] for g in gaps)
         assert row["time/modulation_scope"] > 0
+        # the modulation stage, timed inside the update's loss: a part of the training time
+        assert 0 < row["time/modulation"] < row["time/train"]

@@ -357,6 +357,7 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
 
 
 def _fault_worker(rank, world_size, output_dir):
+    from megatron_dynamo.trainer import step as step_module
     from megatron_dynamo.trainer import update as update_module
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.trainer import Trainer
