@@ -5,7 +5,7 @@ the token budget unless it holds a single longer sequence; the plan depends only
 loads differ by at most the longest sequence; every rank runs the same number of micro-batches.
 
 The real actor (tiny Qwen2, gloo on CPU): the per-token log-probs, the loss and the parameter gradients of one
-update through ``StepRunner.micro_batches_for``, the forward-only token-stats pass and the DynaMO loss are the same
+update through ``PolicyUpdater.micro_batches_for``, the forward-only token-stats pass and the DynaMO loss are the same
 for micro-batches of 1 and 64 sequences, token budgets below, between and above the sequence lengths, and packed
 sequences on the local spec; and with two DP ranks, one of which gets no sample.
 """
@@ -215,13 +215,13 @@ def _update_worker(rank, world_size, cases):
     for name, num_samples in cases:
         samples = _random_samples(3, num_samples)
         run = load_run_config(CPU_DEFAULT, LAYOUTS[name][0])
-        runner, micro, stats, _ = micro_batches_with_old_logp(run, actor, samples)
+        updater, micro, stats, _ = micro_batches_with_old_logp(run, actor, samples)
         modulation, loss_cfg = run.dynamo.modulation, run.dynamo.loss
         group = ps.get_data_parallel_group() if world_size > 1 else None
         scope = modulation_scope([scope_inputs(mb, stats, loss_cfg) for mb in micro], modulation, group=group)
         loss_fn = dynamo_loss_fn(modulation, loss_cfg, scope, global_denominator(samples, loss_cfg.loss_agg_mode),
                                  run.rollout.temperature)
-        results = actor.forward_backward(micro, loss_fn, output=runner.model_output)
+        results = actor.forward_backward(micro, loss_fn, output=updater.model_output)
         out[name, num_samples] = {"micro": len(micro), "packed": [mb.cu_seqlens is not None for mb in micro],
                      "logp": {i: v["logp"] for i, v in stats.items()},
                      "loss": sum(float(r["loss"]) for r in results),
