@@ -4,7 +4,7 @@ and tokens/s of dynamic (token-budget) and packed micro-batches vs fixed padded 
     python benchmarks/bench_update.py                       CPU: hidden 256, 2 layers, vocab 151936, 8192 tokens
     python benchmarks/bench_update.py --device cuda --model configs/models/qwen2.5-math-1.5b.json --tokens 16384
 
-What runs is the trainer's own update, ``StepRunner.update`` of megatron_dynamo/trainer/step.py, on the real
+What runs is the trainer's own update, ``PolicyUpdater.update`` of megatron_dynamo/trainer/update.py, on the real
 Megatron actor (``MegatronActor``, random init, Megatron's Adam): the old-log-prob pass (``token_stats_fn``, forward
 only), the modulation scopes, then per PPO mini-batch the training forward/backward with ``dynamo_loss_fn`` and the
 optimizer step, all through ``MegatronActor.forward_backward``. Every trainer option comes from the run config, as
@@ -161,8 +161,8 @@ def _worker(cfg: dict) -> dict:
     for mini in split_mini_batches(samples, order, run.trainer.mini_batch_prompts):
         if not mini:
             continue
-        for mb in runner.micro_batches_for(mini):
-            n = int(mb["input_ids"].numel())
+        for mb in runner.updater.micro_batches_for(mini):
+            n = int(mb.input_ids.numel())
             layout["micro_batches"] += 1
             layout["computed_tokens"] += n
             layout["largest_micro_batch_tokens"] = max(layout["largest_micro_batch_tokens"], n)
@@ -172,7 +172,7 @@ def _worker(cfg: dict) -> dict:
     small = [s for s in samples if s.prompt_id == order[0]][:2]
     small = [Sample(i, s.prompt_id, s.prompt_tokens, s.response_tokens[:16], 0.0, s.advantage)
              for i, s in enumerate(small)]
-    runner.update(small, order[:1], StageTimer())
+    runner.update(small, order[:1], StageTimer(), step=0)
     sync()
     gc.collect()
     base, hwm, before_peak = start_peak_window(cuda)
@@ -181,7 +181,7 @@ def _worker(cfg: dict) -> dict:
         timer = StageTimer()
         sync()
         t0 = time.perf_counter()
-        metrics = runner.update(samples, order, timer)
+        metrics = runner.update(samples, order, timer, step=0)
         sync()
         times.append(time.perf_counter() - t0)
         if times[-1] == min(times):

@@ -43,19 +43,16 @@ def perturbed_old_logp(stats: dict[int, dict[str, torch.Tensor]]) -> dict[int, t
 
 
 def micro_batches_with_old_logp(run, actor, samples, last_stage: bool = True):
-    """The trainer's ``StepRunner`` for ``run`` over ``actor`` (no engine), its micro-batches of ``samples``, their
+    """The trainer's ``PolicyUpdater`` for ``run`` over ``actor``, its micro-batches of ``samples``, their
     token stats (the forward-only pass) and :func:`perturbed_old_logp` of them, scattered into the micro-batches as
-    ``old_logp`` (zeros off the last pipeline stage, which has no logits). Returns (runner, micro, stats, old)."""
-    from megatron_dynamo.trainer.batch import scatter_token_values
-    from megatron_dynamo.trainer.step import StepRunner
+    ``old_logp`` (zeros off the last pipeline stage, which has no logits). Returns (updater, micro, stats, old)."""
+    from megatron_dynamo.trainer.batch import token_values
+    from megatron_dynamo.trainer.update import PolicyUpdater
 
-    runner = StepRunner(run, actor, pad_token_id=0, rollout_dtype=torch.float32)
-    micro = runner.micro_batches_for(samples)
-    stats = runner.forward_token_stats(micro)
+    updater = PolicyUpdater(run, actor, pad_token_id=0)
+    micro = updater.micro_batches_for(samples)
+    stats = updater.forward_token_stats(micro)
     old = perturbed_old_logp(stats)
     for mb in micro:
-        if last_stage:
-            scatter_token_values(mb, old, "old_logp")
-        else:
-            mb["old_logp"] = torch.zeros_like(mb["loss_mask"])
-    return runner, micro, stats, old
+        mb.old_logp = token_values(mb, old if last_stage else None)
+    return updater, micro, stats, old

@@ -1,6 +1,7 @@
 """The import graph keeps its rules (scripts/architecture.py): no circle between modules or packages, no import up
-the layers, no Megatron/vLLM in algorithms/, no private name taken from another module, no module over 400 lines;
-docs/architecture.md shows the arrows of the code as it is. Planted trees show that each check fails."""
+the layers, no Megatron/vLLM in algorithms/, no private name taken from another module, no module over 400 lines,
+no product function over 60 lines but the listed ones (a list that only shrinks); docs/architecture.md shows the
+arrows of the code as it is. Planted trees show that each check fails."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_planted_tree_fails_on_each_rule(tmp_path):
             from megatron_dynamo.trainer.loop import run  # an entry point may call down, but the converter not here
             """,
     })
-    report = architecture.analyse(root, ("megatron_dynamo", "checkpoints_convert"), max_lines=40)
+    report = architecture.analyse(root, ("megatron_dynamo", "checkpoints_convert"), max_lines=40, long_functions={})
     assert report.module_cycles == [["megatron_dynamo.eval.scorer", "megatron_dynamo.trainer.loop"]]
     assert report.package_cycles == [["eval", "trainer"]]
     assert report.upward == ["megatron_dynamo/eval/scorer.py:2: megatron_dynamo.eval.scorer (stages) imports "
@@ -108,7 +109,47 @@ def test_planted_tree_fails_on_each_rule(tmp_path):
         "megatron_dynamo.data.rows.Reader._parse",
     ])
     assert report.too_long == ["megatron_dynamo/models/big.py: 41 lines (over 40)"]
+    assert report.long_functions == []
     assert len(report.problems()) == 2 + 1 + 2 + 4 + 1
+
+
+def test_the_update_stage_keeps_its_functions_short():
+    """The update and the step that calls it hold no function over the budget, and none is allowed there."""
+    lengths = architecture.function_lengths(architecture.load_modules(ROOT))
+    mine = {name: n for name, n in lengths.items()
+            if name.split(":")[0] in ("megatron_dynamo/trainer/update.py", "megatron_dynamo/trainer/step.py")}
+    assert "megatron_dynamo/trainer/update.py:PolicyUpdater.update" in mine
+    assert max(mine.values()) <= architecture.MAX_FUNCTION_LINES, mine
+    assert not any(name in architecture.LONG_FUNCTIONS for name in mine)
+
+
+def test_planted_long_functions_fail(tmp_path):
+    """A function over the budget, one listed that grew, one listed that shrank below the budget, a listed one that
+    is gone: each is reported; a listed one at its length, a long benchmark and a long class body are not."""
+    def function(name: str, lines: int, indent: str = "") -> str:
+        return f"{indent}def {name}():\n" + f"{indent}    x = 1\n" * (lines - 2) + f"{indent}    return x\n"
+
+    root = _tree(tmp_path, {
+        "megatron_dynamo/__init__.py": "",
+        "megatron_dynamo/data/__init__.py": "",
+        "megatron_dynamo/data/long.py": (function("new", 11) + function("grew", 13) + function("shrank", 9)
+                                         + function("kept", 12) + "class Holder:\n" + function("method", 11, "    ")
+                                         + "    y = 2\n" * 20),
+        "benchmarks/__init__.py": "",
+        "benchmarks/bench_x.py": function("main", 30),
+    })
+    allowed = {"megatron_dynamo/data/long.py:grew": 12, "megatron_dynamo/data/long.py:shrank": 12,
+               "megatron_dynamo/data/long.py:kept": 12, "megatron_dynamo/data/long.py:gone": 20}
+    report = architecture.analyse(root, ("megatron_dynamo", "benchmarks"), max_function_lines=10,
+                                  long_functions=allowed)
+    assert report.long_functions == [
+        "megatron_dynamo/data/long.py:Holder.method: function of 11 lines (over 10)",
+        "megatron_dynamo/data/long.py:grew: function of 13 lines (listed at 12)",
+        "megatron_dynamo/data/long.py:new: function of 11 lines (over 10)",
+        "megatron_dynamo/data/long.py:gone: in LONG_FUNCTIONS (20) but gone: remove the entry",
+        "megatron_dynamo/data/long.py:shrank: in LONG_FUNCTIONS (12) but 9 lines now: remove the entry",
+    ]
+    assert report.problems() == report.long_functions
 
 
 def test_a_circle_planted_in_a_copy_of_the_tree_fails(tmp_path):

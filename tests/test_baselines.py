@@ -248,6 +248,7 @@ def test_the_trainers_loss_gives_dynamo_loss_entropy_coef_its_exact_gradient(mon
     modulation), and differs from the one without the bonus. Was refused by the config before (no gradient)."""
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer import policy_loss
+    from megatron_dynamo.trainer.batch import UpdateBatch
     from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn
 
     monkeypatch.setattr(policy_loss, "_tp_group", lambda: None)  # one process, no Megatron parallel state
@@ -258,7 +259,9 @@ def test_the_trainers_loss_gives_dynamo_loss_entropy_coef_its_exact_gradient(mon
     loss_mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
     logpi = torch.log_softmax(logits, -1)
     old = (logpi.gather(-1, labels[..., None]).squeeze(-1) - 0.02).float()
-    batch = {"labels": labels, "loss_mask": loss_mask, "old_logp": old, "advantages": torch.tensor([0.7, -1.2])}
+    batch = UpdateBatch(input_ids=labels, labels=labels, loss_mask=loss_mask, old_logp=old,
+                        advantages=torch.tensor([0.7, -1.2]), loss_weight=torch.ones(2, dtype=torch.float64),
+                        sample_index=torch.arange(2))
     grads = {}
     for coef in (0.05, 0.0):
         cfg = dataclass_replace(run.dynamo.loss, entropy_coef=coef)

@@ -48,16 +48,16 @@ def _worker(rank, world_size, parallel, cases):
     out = {}
     for algo, plan in cases:
         run = load_run_config(CPU_DEFAULT, PLANS[plan] + SMALL_BATCH, algo=algo)
-        runner, micro, stats, old = micro_batches_with_old_logp(run, actor, samples, last_stage=last)
+        updater, micro, stats, old = micro_batches_with_old_logp(run, actor, samples, last_stage=last)
         pre_update = {i: {"logp": old[i], "entropy": v["entropy"]} for i, v in stats.items()}
         scatter_selections(run.dynamo.loss, [(samples, micro)], pre_update, last, dp_group, seed=5, step=2)
         tokens = float(sum(s.num_response_tokens for s in samples))  # token-mean: the mini-batch's tokens
         loss_fn = dynamo_loss_fn(run.dynamo.modulation, run.dynamo.loss, None, tokens, run.rollout.temperature)
-        results = actor.forward_backward(micro, loss_fn, output=runner.model_output)
+        results = actor.forward_backward(micro, loss_fn, output=updater.model_output)
         selection = {}
-        if last and "selection" in micro[0]:
+        if last and micro[0].selection is not None:
             for mb in micro:
-                selection.update(gather_token_values(mb, mb["selection"]))
+                selection.update(gather_token_values(mb, mb.selection))
         out[algo, plan] = {"selection": selection, "loss": sum(float(r["loss"]) for r in results) if last else None,
                            "grads": {n: p.main_grad.detach().clone() for n, p in actor.named_parameters()}}
         actor.zero_grad()

@@ -134,15 +134,15 @@ def _sp_worker(rank, world_size, config, sequence_parallel, seq_len):
     def loss_fn(logits, mb):
         from megatron.core import tensor_parallel
 
-        token_loss = tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), mb["labels"])
-        loss = (token_loss * mb["loss_mask"]).sum() / 100.0
+        token_loss = tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), mb.labels)
+        loss = (token_loss * mb.loss_mask).sum() / 100.0
         return loss, {"loss": loss.detach(), "logits_sum": logits.detach().double().sum()}
 
     results = actor.forward_backward(micro, loss_fn)
     # After finalize_model_grads: the norms' gradients are summed over the TP ranks' sequence slices under SP.
     grads = {n: p.main_grad.detach().clone() for n, p in actor.named_parameters()}
     stepped = actor.optimizer_step().update_successful
-    return {"shapes": [tuple(mb["input_ids"].shape) for mb in micro], "loss": [float(r["loss"]) for r in results],
+    return {"shapes": [tuple(mb.input_ids.shape) for mb in micro], "loss": [float(r["loss"]) for r in results],
             "grads": grads, "stepped": stepped}
 
 

@@ -71,7 +71,7 @@ def _gap_worker(rank, world_size):
     from megatron_dynamo.algorithms.config import ModulationConfig
     from megatron_dynamo.parallel import runtime
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
-    from megatron_dynamo.trainer.batch import gather_token_values, make_micro_batches, scatter_token_values
+    from megatron_dynamo.trainer.batch import gather_token_values, make_micro_batches, token_values
     from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, token_stats_fn
 
     runtime.init_distributed(runtime.ParallelConfig(), seed=0)
@@ -89,8 +89,8 @@ def _gap_worker(rank, world_size):
 
     def run(engine_is: str, engine_logp: dict):
         for mb in micro:
-            scatter_token_values(mb, old, "old_logp")
-            scatter_token_values(mb, engine_logp, "engine_logp")
+            mb.old_logp = token_values(mb, old)
+            mb.engine_logp = token_values(mb, engine_logp)
         actor.zero_grad()
         cfg = PolicyLossConfig(engine_is=engine_is, engine_is_cap=2.0)
         results = actor.forward_backward(micro, dynamo_loss_fn(modulation, cfg, None, denominator, 1.0))

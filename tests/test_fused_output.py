@@ -20,8 +20,10 @@ def _batch(vocab: int):
     mask[0, 6:] = 1
     mask[1, 9:14] = 1  # a short response, then padding
     mask[2, 3:] = 1
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": mask,
-            "sample_index": torch.arange(BATCH)}
+    from megatron_dynamo.trainer.batch import UpdateBatch
+
+    return UpdateBatch(input_ids=ids[:, :-1], labels=ids[:, 1:], loss_mask=mask, advantages=torch.zeros(BATCH),
+                       loss_weight=torch.ones(BATCH, dtype=torch.float64), sample_index=torch.arange(BATCH))
 
 
 def _loss_fn(model_output, micro_batch):

@@ -5,7 +5,7 @@ the token budget unless it holds a single longer sequence; the plan depends only
 loads differ by at most the longest sequence; every rank runs the same number of micro-batches.
 
 The real actor (tiny Qwen2, gloo on CPU): the per-token log-probs, the loss and the parameter gradients of one
-update through ``StepRunner.micro_batches_for``, the forward-only token-stats pass and the DynaMO loss are the same
+update through ``PolicyUpdater.micro_batches_for``, the forward-only token-stats pass and the DynaMO loss are the same
 for micro-batches of 1 and 64 sequences, token budgets below, between and above the sequence lengths, and packed
 sequences on the local spec; and with two DP ranks, one of which gets no sample.
 """
@@ -24,7 +24,7 @@ from megatron_dynamo.trainer.actor import block_causal_mask, pad_micro_batches
 from megatron_dynamo.trainer.batch import (Sample, balance_over_ranks, build_micro_batches, gather_token_values,
                                            make_micro_batches, micro_batch_cost, packed_micro_batch,
                                            plan_micro_batches, plan_token_micro_batches, resolve_pack_sequences,
-                                           scatter_token_values, sequence_length)
+                                           sequence_length, token_values)
 from megatron_dynamo.trainer.policy_loss import response_positions
 
 CPU_DEFAULT = f"{REPO}/configs/cpu_default.yaml"
@@ -96,21 +96,21 @@ def _three():
 def test_packed_micro_batch_layout():
     mb = packed_micro_batch(_three(), pad_token_id=0, seq_multiple=4)
     # Lengths 4, 3, 2 (prompt + response - 1): 9 tokens, a padding tail of 3 to a multiple of 4.
-    assert mb["input_ids"].tolist() == [[5, 6, 7, 8, 5, 1, 2, 3, 4, 0, 0, 0]]
-    assert mb["labels"].tolist() == [[6, 7, 8, 9, 1, 2, 3, 4, 6, 0, 0, 0]]
-    assert mb["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0]]
-    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 1, 2]]
-    assert mb["token_row"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 2, 2, -1, -1, -1]]
-    assert mb["cu_seqlens"].dtype == torch.int32 and mb["cu_seqlens"].tolist() == [0, 4, 7, 9, 12]
-    assert mb["advantages"].tolist() == [0.5, -1.0, -0.5] and mb["sample_index"].tolist() == [4, 9, 2]
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 5, 1, 2, 3, 4, 0, 0, 0]]
+    assert mb.labels.tolist() == [[6, 7, 8, 9, 1, 2, 3, 4, 6, 0, 0, 0]]
+    assert mb.loss_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 1, 2]]
+    assert mb.token_row.tolist() == [[0, 0, 0, 0, 1, 1, 1, 2, 2, -1, -1, -1]]
+    assert mb.cu_seqlens.dtype == torch.int32 and mb.cu_seqlens.tolist() == [0, 4, 7, 9, 12]
+    assert mb.advantages.tolist() == [0.5, -1.0, -0.5] and mb.sample_index.tolist() == [4, 9, 2]
     mask, seq_ids = response_positions(mb)
     assert seq_ids.tolist() == [0, 0, 1, 1, 1, 2] and mask.sum() == 6
-    assert mb["advantages"][seq_ids].tolist() == [0.5, 0.5, -1.0, -1.0, -1.0, -0.5]
+    assert mb.advantages[seq_ids].tolist() == [0.5, 0.5, -1.0, -1.0, -1.0, -0.5]
     # No tail when the lengths fill the row exactly; an empty micro-batch is one padding segment.
-    assert packed_micro_batch(_three(), 0)["cu_seqlens"].tolist() == [0, 4, 7, 9]
+    assert packed_micro_batch(_three(), 0).cu_seqlens.tolist() == [0, 4, 7, 9]
     empty = packed_micro_batch([], 0, seq_multiple=2)
-    assert empty["cu_seqlens"].tolist() == [0, 2] and empty["sample_index"].numel() == 0
-    assert empty["loss_mask"].sum() == 0
+    assert empty.cu_seqlens.tolist() == [0, 2] and empty.sample_index.numel() == 0
+    assert empty.loss_mask.sum() == 0
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -118,20 +118,20 @@ def test_scatter_and_gather_token_values_round_trip(packed):
     samples = _three()
     (mb,) = build_micro_batches([samples], 0, packed=packed, fixed_shape=False)
     values = {s.index: torch.arange(s.num_response_tokens, dtype=torch.float32) + 10 * s.index for s in samples}
-    scatter_token_values(mb, values, "old_logp")
-    assert mb["old_logp"].shape == mb["loss_mask"].shape
-    assert float(mb["old_logp"][mb["loss_mask"] == 0].abs().sum()) == 0
-    back = gather_token_values(mb, mb["old_logp"])
+    mb.old_logp = token_values(mb, values)
+    assert mb.old_logp.shape == mb.loss_mask.shape
+    assert float(mb.old_logp[mb.loss_mask == 0].abs().sum()) == 0
+    back = gather_token_values(mb, mb.old_logp)
     assert back.keys() == values.keys() and all(torch.equal(back[i], values[i]) for i in values)
 
 
 def test_pipeline_padding_of_packed_micro_batches_adds_a_padding_segment():
     long = packed_micro_batch(_three(), 0)  # T = 9, no tail
     short = packed_micro_batch(_three()[1:], 0, seq_multiple=4)  # T = 8: 5 tokens and a tail of 3
-    first, second = pad_micro_batches([long, packed_micro_batch(_three()[:1], 0)])
+    first, second = pad_micro_batches([long.tensors(), packed_micro_batch(_three()[:1], 0).tensors()])
     assert first["cu_seqlens"].tolist() == [0, 4, 7, 9]
     assert second["cu_seqlens"].tolist() == [0, 4, 9] and second["token_row"].tolist() == [[0] * 4 + [-1] * 5]
-    _, padded = pad_micro_batches([long, short])
+    _, padded = pad_micro_batches([long.tensors(), short.tensors()])
     assert padded["cu_seqlens"].tolist() == [0, 3, 5, 9]  # the existing tail extended
     assert padded["input_ids"].shape == (1, 9) and padded["loss_mask"][0, 5:].sum() == 0
 
@@ -146,14 +146,14 @@ def test_block_causal_mask():
 def test_fixed_row_micro_batches_keep_their_shapes():
     samples = _random_samples(0, 5)
     micro = make_micro_batches(samples, 2, 0, num_micro_batches=4, fixed_shape=True)
-    assert [mb["input_ids"].shape[0] for mb in micro] == [2, 2, 2, 2]
-    assert [mb["sample_index"].tolist() for mb in micro][2:] == [[4, -1], [-1, -1]]
+    assert [mb.input_ids.shape[0] for mb in micro] == [2, 2, 2, 2]
+    assert [mb.sample_index.tolist() for mb in micro][2:] == [[4, -1], [-1, -1]]
     # Token plans under pipeline parallelism: one shape for all of a rank's micro-batches.
     groups = plan_token_micro_batches(samples, 1, 30)[0]
-    shapes = {tuple(mb["input_ids"].shape) for mb in build_micro_batches(groups, 0, fixed_shape=True)}
+    shapes = {tuple(mb.input_ids.shape) for mb in build_micro_batches(groups, 0, fixed_shape=True)}
     assert len(shapes) == 1 and len(groups) > 1
     packed = build_micro_batches(groups, 0, fixed_shape=True, packed=True)
-    assert len({tuple(mb["input_ids"].shape) for mb in packed}) == 1
+    assert len({tuple(mb.input_ids.shape) for mb in packed}) == 1
 
 
 def test_pipeline_token_plans_pad_only_to_one_shape_within_the_budget():
@@ -164,16 +164,16 @@ def test_pipeline_token_plans_pad_only_to_one_shape_within_the_budget():
     assert [sequence_length(s) for s in samples[:2]] == [999, 50]
     groups = plan_token_micro_batches(samples, 1, 1000, fixed_shape=True)[0]
     micro = build_micro_batches(groups, 0, fixed_shape=True)
-    assert [tuple(mb["input_ids"].shape) for mb in micro] == [(1, 999)] * 40
+    assert [tuple(mb.input_ids.shape) for mb in micro] == [(1, 999)] * 40
     # Short sequences only: rows = budget // longest (rounded to seq_multiple), the last bin padded with empty rows.
     groups = plan_token_micro_batches(samples[1:], 1, 1000, fixed_shape=True, seq_multiple=4)[0]
     micro = build_micro_batches(groups, 0, fixed_shape=True, seq_multiple=4)
-    assert [tuple(mb["input_ids"].shape) for mb in micro] == [(19, 52)] * 3
-    assert [int((mb["sample_index"] >= 0).sum()) for mb in micro] == [19, 19, 1]
+    assert [tuple(mb.input_ids.shape) for mb in micro] == [(19, 52)] * 3
+    assert [int((mb.sample_index >= 0).sum()) for mb in micro] == [19, 19, 1]
     # Two DP ranks (each its own pipeline, its own shape): the 999-token rank 1 x 999, the other 20 x 50; the same
     # count of micro-batches on both (empty ones at the end), every sample once.
     plan = plan_token_micro_batches(samples, 2, 1000, fixed_shape=True)
-    shapes = [{tuple(mb["input_ids"].shape) for mb in build_micro_batches(share, 0, fixed_shape=True)}
+    shapes = [{tuple(mb.input_ids.shape) for mb in build_micro_batches(share, 0, fixed_shape=True)}
               for share in plan]
     assert shapes == [{(1, 999)}, {(20, 50)}] and len(plan[0]) == len(plan[1]) == 11
     assert sorted(s.index for share in plan for g in share for s in g) == list(range(40))
@@ -215,14 +215,14 @@ def _update_worker(rank, world_size, cases):
     for name, num_samples in cases:
         samples = _random_samples(3, num_samples)
         run = load_run_config(CPU_DEFAULT, LAYOUTS[name][0])
-        runner, micro, stats, _ = micro_batches_with_old_logp(run, actor, samples)
+        updater, micro, stats, _ = micro_batches_with_old_logp(run, actor, samples)
         modulation, loss_cfg = run.dynamo.modulation, run.dynamo.loss
         group = ps.get_data_parallel_group() if world_size > 1 else None
         scope = modulation_scope([scope_inputs(mb, stats, loss_cfg) for mb in micro], modulation, group=group)
         loss_fn = dynamo_loss_fn(modulation, loss_cfg, scope, global_denominator(samples, loss_cfg.loss_agg_mode),
                                  run.rollout.temperature)
-        results = actor.forward_backward(micro, loss_fn, output=runner.model_output)
-        out[name, num_samples] = {"micro": len(micro), "packed": ["cu_seqlens" in mb for mb in micro],
+        results = actor.forward_backward(micro, loss_fn, output=updater.model_output)
+        out[name, num_samples] = {"micro": len(micro), "packed": [mb.cu_seqlens is not None for mb in micro],
                      "logp": {i: v["logp"] for i, v in stats.items()},
                      "loss": sum(float(r["loss"]) for r in results),
                      "grads": {n: p.main_grad.detach().clone() for n, p in actor.named_parameters()}}

@@ -38,11 +38,11 @@ def _update(run, samples):
     actor = MegatronActor(TINY_QWEN2, optim=run.optim, hf_weights=hf_state_dict(TINY_QWEN2).__getitem__)
     runner = StepRunner(run, actor, pad_token_id=0, rollout_dtype=torch.float32)
     passes = []
-    forward_token_stats = runner.forward_token_stats
-    runner.forward_token_stats = lambda micro: passes.append(len(micro)) or forward_token_stats(micro)
+    forward_token_stats = runner.updater.forward_token_stats
+    runner.updater.forward_token_stats = lambda micro: passes.append(len(micro)) or forward_token_stats(micro)
     timer = StageTimer()
     before = {name: p.detach().clone() for name, p in actor.named_parameters()}
-    metrics = runner.update(samples, [f"p{i}" for i in range(3)], timer)
+    metrics = runner.update(samples, [f"p{i}" for i in range(3)], timer, step=1)
     weights = {name: p.detach().clone() for name, p in actor.named_parameters()}
     moved = sum(not torch.equal(before[name], w) for name, w in weights.items())
     return {"metrics": metrics, "weights": weights, "moved": moved, "passes": len(passes),

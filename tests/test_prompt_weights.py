@@ -93,10 +93,10 @@ def _worker(rank, world_size, parallel, cases):
         samples = _samples(actor.arch.vocab_size, equal_counts)
         weights = prompt_weights([s.prompt_id for s in samples], mode)
         samples = [replace(s, loss_weight=float(w)) for s, w in zip(samples, weights)]
-        runner, micro, stats, old = micro_batches_with_old_logp(run, actor, samples, last_stage=last)
+        updater, micro, stats, old = micro_batches_with_old_logp(run, actor, samples, last_stage=last)
         loss_fn = dynamo_loss_fn(run.dynamo.modulation, run.dynamo.loss, None,
                                  global_denominator(samples, run.dynamo.loss.loss_agg_mode), run.rollout.temperature)
-        results = actor.forward_backward(micro, loss_fn, output=runner.model_output)
+        results = actor.forward_backward(micro, loss_fn, output=updater.model_output)
         out[plan, mode, equal_counts] = {
             "loss": sum(float(r["loss"]) for r in results) if last else None,
             "logp": {i: v["logp"].double() for i, v in stats.items()}, "old": {i: v.double() for i, v in old.items()},

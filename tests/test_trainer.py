@@ -66,12 +66,12 @@ def _samples():
 
 def test_micro_batch_layout_marks_exactly_the_response_labels():
     (mb,) = make_micro_batches(_samples()[:2], micro_batch_size=3, pad_token_id=0)
-    assert mb["input_ids"].shape == (3, 4)
-    assert mb["input_ids"][0].tolist() == [5, 6, 7, 8] and mb["labels"][0].tolist() == [6, 7, 8, 9]
-    assert mb["loss_mask"][0].tolist() == [0, 0, 1, 1]
-    assert mb["labels"][1][:3].tolist() == [1, 2, 3] and mb["loss_mask"][1].tolist() == [1, 1, 1, 0]
-    assert mb["sample_index"].tolist() == [0, 1, -1] and mb["loss_mask"][2].sum() == 0
-    assert mb["advantages"].tolist() == [0.5, -1.0, 0.0]
+    assert mb.input_ids.shape == (3, 4)
+    assert mb.input_ids[0].tolist() == [5, 6, 7, 8] and mb.labels[0].tolist() == [6, 7, 8, 9]
+    assert mb.loss_mask[0].tolist() == [0, 0, 1, 1]
+    assert mb.labels[1][:3].tolist() == [1, 2, 3] and mb.loss_mask[1].tolist() == [1, 1, 1, 0]
+    assert mb.sample_index.tolist() == [0, 1, -1] and mb.loss_mask[2].sum() == 0
+    assert mb.advantages.tolist() == [0.5, -1.0, 0.0]
 
 
 def test_mini_batches_follow_prompt_ids_and_shards_cover_everything():
@@ -358,6 +358,7 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
 
 def _fault_worker(rank, world_size, output_dir):
     from megatron_dynamo.trainer import step as step_module
+    from megatron_dynamo.trainer import update as update_module
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.trainer import Trainer
 
@@ -366,7 +367,7 @@ def _fault_worker(rank, world_size, output_dir):
                                         "dynamo.allocation.n_avg=4", "dynamo.allocation.n_min=2",
                                         "dynamo.allocation.n_max=6", "logging.tensorboard=false"])
     trainer = Trainer(run)
-    real_loss_fn = step_module.dynamo_loss_fn
+    real_loss_fn = update_module.dynamo_loss_fn
 
     def nan_loss_fn(*args, **kwargs):
         inner = real_loss_fn(*args, **kwargs)
@@ -381,11 +382,11 @@ def _fault_worker(rank, world_size, output_dir):
 
     sync_weights(trainer.engine, trainer.actor, dtype=trainer.rollout_dtype)
     before = {n: p.detach().clone() for n, p in trainer.actor.named_parameters()}
-    step_module.dynamo_loss_fn = nan_loss_fn
+    update_module.dynamo_loss_fn = nan_loss_fn
     try:
         nan_metrics = trainer.runner.run_step(1)
     finally:
-        step_module.dynamo_loss_fn = real_loss_fn
+        update_module.dynamo_loss_fn = real_loss_fn
     unchanged = all(torch.equal(before[n], p) for n, p in trainer.actor.named_parameters())
     good_metrics = trainer.runner.run_step(2)
 

@@ -24,7 +24,7 @@ def _trainer_logprobs(actor, responses, device, micro_batch_size: int = 8) -> di
     samples = [Sample(i, r.prompt_id, tuple(r.prompt_token_ids), tuple(r.token_ids), 0.0, 0.0)
                for i, r in enumerate(responses) if r.token_ids]
     micro = make_micro_batches(samples, micro_batch_size, 0, fixed_shape=False)
-    micro = [{k: v.to(device) for k, v in mb.items()} for mb in micro]
+    micro = [mb.to(device) for mb in micro]
     results = actor.forward_backward(micro, token_stats_fn(1.0), forward_only=True)
     out: dict[int, Any] = {}
     for mb, res in zip(micro, results):

@@ -4,9 +4,10 @@ Every sample carries its prompt id from generation to here; nothing is aligned b
 split into mini-batches by prompt (all responses of ``mini_batch_prompts`` prompts make one optimizer step), a
 mini-batch's samples over the data-parallel ranks, and a rank's share into micro-batches: ``micro_batch_size``
 sequences each, or (``trainer.micro_batch_tokens``) bins of at most that many tokens, balanced over the ranks by
-tokens (:func:`plan_token_micro_batches`). A micro-batch is padded ([B, S] rows) or packed (one row, the sequences
-back to back, no padding: :func:`packed_micro_batch`). Under pipeline parallelism all micro-batches of a rank get one
-shape (padded with empty rows, mask 0), because pipeline stages exchange fixed-shape activations.
+tokens (:func:`plan_token_micro_batches`). A micro-batch (an :class:`UpdateBatch`) is padded ([B, S] rows) or packed
+(one row, the sequences back to back, no padding: :func:`packed_micro_batch`). Under pipeline parallelism all
+micro-batches of a rank get one shape (padded with empty rows, mask 0), because pipeline stages exchange fixed-shape
+activations.
 
 Token layout of one sequence (prompt p_0..p_{P-1}, response r_0..r_{R-1}):
     input_ids  = p_0 .. p_{P-1} r_0 .. r_{R-2}
@@ -16,7 +17,7 @@ Token layout of one sequence (prompt p_0..p_{P-1}, response r_0..r_{R-1}):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -37,6 +38,34 @@ class Sample:
     @property
     def num_response_tokens(self) -> int:
         return len(self.response_tokens)
+
+
+@dataclass(slots=True)
+class UpdateBatch:
+    """One micro-batch of the update: the tensors of its sequences, padded ([B, S] rows) or packed ([1, T], one row,
+    with ``position_ids``, ``token_row`` and ``cu_seqlens``), and the per-token values the update puts in before
+    its loss reads them. Per-token tensors are shaped like ``loss_mask``; per-sequence ones have one entry a
+    sequence (a row, or a packed sequence)."""
+
+    input_ids: torch.Tensor  # long
+    labels: torch.Tensor  # long: the next token of each position
+    loss_mask: torch.Tensor  # float32: 1 exactly at the response tokens' labels
+    advantages: torch.Tensor  # float32, per sequence
+    loss_weight: torch.Tensor  # float64, per sequence: its prompt's weight in the loss
+    sample_index: torch.Tensor  # long, per sequence: the sample's index in the step, -1 for an empty row
+    position_ids: torch.Tensor | None = None  # packed: restarting at 0 for every sequence
+    token_row: torch.Tensor | None = None  # packed: the index of each token's sequence, -1 on the padding tail
+    cu_seqlens: torch.Tensor | None = None  # packed: int32 cumulative sequence lengths
+    old_logp: torch.Tensor | None = None  # per token: the old policy's log-probs (the old-log-prob pass)
+    engine_logp: torch.Tensor | None = None  # per token: the rollout engine's log-probs
+    selection: torch.Tensor | None = None  # per token: a baseline's mini-batch-wide token selection
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors it holds by name, as the model layer takes a micro-batch (``models.megatron_model``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def to(self, device: torch.device | str) -> UpdateBatch:
+        return replace(self, **{k: v.to(device, non_blocking=True) for k, v in self.tensors().items()})
 
 
 def split_mini_batches(samples: list[Sample], prompt_order: list[str], prompts_per_mini_batch: int) -> list[list[Sample]]:
@@ -165,7 +194,7 @@ def plan_token_micro_batches(samples: list[Sample], num_ranks: int, max_tokens: 
 def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_token_id: int,
                        num_micro_batches: int | None = None, fixed_shape: bool = True,
                        device: torch.device | str = "cpu", seq_multiple: int = 1,
-                       packed: bool = False) -> list[dict[str, torch.Tensor]]:
+                       packed: bool = False) -> list[UpdateBatch]:
     """Split samples into micro-batches of ``micro_batch_size`` sequences (:func:`build_micro_batches`).
 
     ``fixed_shape`` (needed with pipeline parallelism, whose stages exchange fixed-shape activations) pads the
@@ -185,7 +214,7 @@ def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_token_i
 
 def build_micro_batches(groups: list[list[Sample]], pad_token_id: int, fixed_shape: bool = True,
                         device: torch.device | str = "cpu", seq_multiple: int = 1, packed: bool = False,
-                        rows: int | None = None, common_seq_len: bool = False) -> list[dict[str, torch.Tensor]]:
+                        rows: int | None = None, common_seq_len: bool = False) -> list[UpdateBatch]:
     """One micro-batch per group of samples, built on the CPU and moved to ``device`` once.
 
     Padded (``packed=False``): ``input_ids``, ``labels``, ``loss_mask`` [B, S], ``advantages``, ``loss_weight``
@@ -209,11 +238,11 @@ def build_micro_batches(groups: list[list[Sample]], pad_token_id: int, fixed_sha
             seq_len = longest if fixed_shape or common_seq_len else max(ls or [1])
             size = num_rows if fixed_shape else (len(g) or rows or 1)
             batches.append(padded_micro_batch(g, pad_token_id, size, _round_up(seq_len, seq_multiple)))
-    return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in batches]
+    return [mb.to(device) for mb in batches]
 
 
 def padded_micro_batch(samples: list[Sample], pad_token_id: int, num_rows: int,
-                       seq_len: int) -> dict[str, torch.Tensor]:
+                       seq_len: int) -> UpdateBatch:
     """``samples`` as the rows of [num_rows, seq_len] tensors (see the module docstring for the token layout)."""
     input_ids = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
     labels = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
@@ -230,12 +259,12 @@ def padded_micro_batch(samples: list[Sample], pad_token_id: int, num_rows: int,
         advantages[row] = sample.advantage
         loss_weight[row] = sample.loss_weight
         sample_index[row] = sample.index
-    return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "advantages": advantages,
-            "loss_weight": loss_weight, "sample_index": sample_index}
+    return UpdateBatch(input_ids=input_ids, labels=labels, loss_mask=loss_mask, advantages=advantages,
+                       loss_weight=loss_weight, sample_index=sample_index)
 
 
 def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: int = 1,
-                       length: int | None = None) -> dict[str, torch.Tensor]:
+                       length: int | None = None) -> UpdateBatch:
     """``samples`` packed without padding into one row of T tokens: T is their total length (at least
     ``length``, at least 1) rounded up to ``seq_multiple``; a padding tail forms a segment of its own.
 
@@ -265,19 +294,19 @@ def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: i
     if total > used:
         position_ids[0, used:] = torch.arange(total - used)
         cu_seqlens.append(total)
-    return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
-            "token_row": token_row, "cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.int32),
-            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-            "loss_weight": torch.tensor([s.loss_weight for s in samples], dtype=torch.float64),
-            "sample_index": torch.tensor([s.index for s in samples], dtype=torch.long)}
+    return UpdateBatch(input_ids=input_ids, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+                       token_row=token_row, cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
+                       advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+                       loss_weight=torch.tensor([s.loss_weight for s in samples], dtype=torch.float64),
+                       sample_index=torch.tensor([s.index for s in samples], dtype=torch.long))
 
 
-def _response_positions(micro_batch: dict[str, torch.Tensor]) -> list[tuple[int, tuple]]:
+def _response_positions(micro_batch: UpdateBatch) -> list[tuple[int, tuple]]:
     """(sample index, index into the [B, S] / [1, T] tensors of its response positions) per real sequence."""
-    mask = micro_batch["loss_mask"].bool()
+    mask = micro_batch.loss_mask.bool()
     out = []
-    token_row = micro_batch.get("token_row")
-    for row, index in enumerate(micro_batch["sample_index"].tolist()):
+    token_row = micro_batch.token_row
+    for row, index in enumerate(micro_batch.sample_index.tolist()):
         if index < 0:
             continue
         if token_row is None:
@@ -287,17 +316,18 @@ def _response_positions(micro_batch: dict[str, torch.Tensor]) -> list[tuple[int,
     return out
 
 
-def scatter_token_values(micro_batch: dict[str, torch.Tensor], values: dict[int, torch.Tensor],
-                         name: str) -> None:
-    """Put per-sample token values (e.g. old log-probs, [R] per sample) at the response positions of a
-    micro-batch as ``micro_batch[name]`` (shaped like ``loss_mask``: [B, S], or [1, T] packed; 0 elsewhere). The
-    values may live on the host (the engine's log-probs): they are copied to the micro-batch's device."""
-    out = torch.zeros_like(micro_batch["loss_mask"])
-    for index, position in _response_positions(micro_batch):
-        out[position] = values[index].to(device=out.device, dtype=out.dtype)
-    micro_batch[name] = out
+def token_values(micro_batch: UpdateBatch, values: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Per-sample token values (e.g. old log-probs, [R] per sample) at the response positions of a micro-batch, in
+    its per-token layout (shaped like ``loss_mask``: [B, S], or [1, T] packed; 0 elsewhere, and everywhere without
+    ``values``). The values may live on the host (the engine's log-probs): they are copied to the micro-batch's
+    device."""
+    out = torch.zeros_like(micro_batch.loss_mask)
+    if values is not None:
+        for index, position in _response_positions(micro_batch):
+            out[position] = values[index].to(device=out.device, dtype=out.dtype)
+    return out
 
 
-def gather_token_values(micro_batch: dict[str, torch.Tensor], token_values: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Inverse of :func:`scatter_token_values`: ``{sample index: values at its response positions}``."""
+def gather_token_values(micro_batch: UpdateBatch, token_values: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Inverse of :func:`token_values`: ``{sample index: values at its response positions}``."""
     return {index: token_values[position].detach() for index, position in _response_positions(micro_batch)}

@@ -1,14 +1,14 @@
 """When the RL update's own forward gives the old log-probs, so that the old-log-prob pass can be left out.
 
-PPO's ratio pi / pi_old needs pi_old: the log-probs of the sampled tokens under the weights the step starts
-with. The trainer gets them from a forward-only pass over the whole rollout before the first optimizer step
-(``StepRunner.update``). With one mini-batch and one PPO epoch, the update's only forward runs on those very
-weights, so its log-probs, detached, are the old log-probs: the forward-only pass computes the same numbers a
-second time (TRL's GRPOTrainer skips it in the same case). The update then takes ``old_logp`` = its own
-``logp.detach()`` (``policy_loss.dynamo_loss_fn`` does so when a micro-batch carries no ``old_logp``), and what
+PPO's ratio pi / pi_old needs pi_old: the log-probs of the sampled tokens under the weights the step starts with.
+The trainer gets them from a forward-only pass over the whole rollout before the first optimizer step
+(``PolicyUpdater.update``, ``trainer/update.py``). With one mini-batch and one PPO epoch, the update's only forward
+runs on those very weights, so its log-probs, detached, are the old log-probs: the forward-only pass computes the
+same numbers a second time (TRL's GRPOTrainer skips it in the same case). The update then takes ``old_logp`` = its
+own ``logp.detach()`` (``policy_loss.dynamo_loss_fn`` does so when a micro-batch carries no ``old_logp``), and what
 the step reports from the old-policy pass (``entropy_mean``, the engine/trainer log-prob gap) is taken from the
-update's forward instead, after it: the same values (``tests/test_old_logprobs.py``: metrics and weights
-identical, bit for bit, to a run with the pass).
+update's forward instead, after it: the same values (``tests/test_old_logprobs.py``: metrics and weights identical,
+bit for bit, to a run with the pass).
 
 The pass stays where something needs the old policy's numbers before the update's first loss:
 
@@ -62,8 +62,8 @@ def entropies_from_update(plans, results, last_stage: bool) -> torch.Tensor:
         return torch.zeros(0)
     entropies = []
     for mb, out in zip(micro, results):
-        mb["old_logp"] = out["token/logp"]
-        entropies.append(out["token/entropy"][mb["loss_mask"].bool()])
+        mb.old_logp = out["token/logp"]
+        entropies.append(out["token/entropy"][mb.loss_mask.bool()])
     return torch.cat(entropies) if entropies else torch.zeros(0)
 
 
@@ -72,14 +72,14 @@ def old_entropies(old: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
     return torch.cat([v["entropy"] for v in old.values()]) if old else torch.zeros(0)
 
 
-def old_logprob_pass(runner, plans, last_stage: bool, timer) -> dict[int, dict[str, torch.Tensor]]:
+def old_logprob_pass(updater, plans, last_stage: bool, timer) -> dict[int, dict[str, torch.Tensor]]:
     """The forward-only pass over every mini-batch of ``plans`` under the step's starting weights (timed as
     ``old_logprob``), its log-probs put into the micro-batches as ``old_logp``; returns the per-sample token stats.
-    ``runner``: the ``StepRunner``."""
+    ``updater``: the ``PolicyUpdater``."""
     with timer("old_logprob"):
         old: dict[int, dict[str, torch.Tensor]] = {}
         for _, micro in plans:
-            old.update(runner.forward_token_stats(micro))
+            old.update(updater.forward_token_stats(micro))
         put_old_logp(plans, old, last_stage)
     return old
 

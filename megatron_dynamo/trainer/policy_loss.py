@@ -17,7 +17,8 @@ logits exist only chunk by chunk inside the routine (``parallel/token_stats.py``
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 
@@ -29,6 +30,7 @@ from megatron_dynamo.algorithms.modulation import (ModulationInputs, ModulationS
 from megatron_dynamo.parallel.token_stats import (TokenStats, fused_vocab_parallel_token_stats,
                                                   vocab_parallel_token_stats)
 from megatron_dynamo.trainer.actor import OutputLayerInput
+from megatron_dynamo.trainer.batch import UpdateBatch
 from megatron_dynamo.trainer.old_logprobs import TOKEN_OUTPUTS, full_token_values
 
 
@@ -40,24 +42,24 @@ def _tp_group():
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def response_positions(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def response_positions(micro_batch: UpdateBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The bool mask of response positions ([B, S], or [1, T] packed) and, per flattened response token, its
     sequence id: its row, or in a packed micro-batch its ``token_row`` (the index of its sequence), so that
     ``advantages[seq_ids]`` and per-sequence aggregation work alike for both layouts."""
-    mask = micro_batch["loss_mask"].bool()
-    token_row = micro_batch.get("token_row")
+    mask = micro_batch.loss_mask.bool()
+    token_row = micro_batch.token_row
     if token_row is not None:
         return mask, token_row[mask]
     seq_ids = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)[mask]
     return mask, seq_ids
 
 
-def response_token_stats(model_output: torch.Tensor | OutputLayerInput, micro_batch: dict[str, torch.Tensor],
+def response_token_stats(model_output: torch.Tensor | OutputLayerInput, micro_batch: UpdateBatch,
                          temperature: float, chunk_size: int | None) -> tuple[TokenStats, torch.Tensor, torch.Tensor]:
     """Token stats at the response positions, flattened; also the sequence id and the mask of each token.
     ``model_output``: the logits [B, S, V/tp] or the fused output layer's input (``trainer.actor.OutputLayerInput``)."""
     mask, seq_ids = response_positions(micro_batch)
-    targets = micro_batch["labels"][mask]
+    targets = micro_batch.labels[mask]
     if isinstance(model_output, OutputLayerInput):
         stats = fused_vocab_parallel_token_stats(
             model_output.hidden[mask], model_output.weight, targets, temperature, _tp_group(), chunk_size,
@@ -73,7 +75,7 @@ def token_stats_fn(temperature: float, chunk_size: int | None = None) -> Callabl
 
     def loss_fn(model_output, micro_batch):
         stats, _, mask = response_token_stats(model_output, micro_batch, temperature, chunk_size)
-        out = {"sample_index": micro_batch["sample_index"]}
+        out = {"sample_index": micro_batch.sample_index}
         for name in ("logp", "entropy", "sum_pi2_lambda"):
             out[name] = full_token_values(getattr(stats, name), mask)
         return stats.logp.new_zeros(()), out
@@ -81,17 +83,17 @@ def token_stats_fn(temperature: float, chunk_size: int | None = None) -> Callabl
     return loss_fn
 
 
-def scope_inputs(micro_batch: dict[str, torch.Tensor], per_sample: dict[int, dict[str, torch.Tensor]],
+def scope_inputs(micro_batch: UpdateBatch, per_sample: dict[int, dict[str, torch.Tensor]],
                  loss_cfg: PolicyLossConfig) -> ModulationInputs:
     """Flattened modulation inputs of one micro-batch under the current policy, from per-sample token stats
     (``{sample index: {"logp", "entropy", "sum_pi2_lambda"}}``, as the forward-only pass returns them)."""
     mask, seq_ids = response_positions(micro_batch)
-    rows = [i for i in micro_batch["sample_index"].tolist() if i >= 0]
+    rows = [i for i in micro_batch.sample_index.tolist() if i >= 0]
     logp, entropy, sum_pi2_lambda = (
         torch.cat([per_sample[i][name] for i in rows]) if rows else mask.new_zeros(0, dtype=torch.float32)
         for name in ("logp", "entropy", "sum_pi2_lambda"))
-    advantages = micro_batch["advantages"][seq_ids]
-    ratio = policy_ratio(logp, micro_batch["old_logp"][mask])
+    advantages = micro_batch.advantages[seq_ids]
+    ratio = policy_ratio(logp, micro_batch.old_logp[mask])
     clipped = ppo_clip_mask(ratio, advantages, loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.clip_ratio_c)
     return ModulationInputs(advantages=advantages, entropy=entropy, mask=torch.ones_like(logp, dtype=torch.bool),
                             logp=logp, sum_pi2_lambda=sum_pi2_lambda, ratio=ratio, clipped_mask=clipped,
@@ -109,59 +111,78 @@ def scope_gap(trained, other) -> dict[str, torch.Tensor]:
     return out
 
 
+def modulate(inputs: ModulationInputs, modulation: ModulationConfig, scope: ModulationScope | None,
+             compare_scope: ModulationScope | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The modulation stage of one micro-batch: its advantages modulated under the mini-batch-wide ``scope``
+    (``algorithms/modulation.py``: GC and UMS factors), with their statistics (``modulation/*``); with
+    ``compare_scope`` also the gap of the factors to those under that scope (:func:`scope_gap`)."""
+    final_advantages, modulation_stats = modulate_advantages(
+        inputs.advantages, inputs.entropy, inputs.logp, inputs.sum_pi2_lambda, inputs.ratio, inputs.clipped_mask,
+        inputs.mask, seq_ids=inputs.seq_ids, cfg=modulation, scope=scope)
+    if compare_scope is not None and modulation.enabled:
+        modulation_stats.update(scope_gap(modulation_factors(inputs, modulation, scope),
+                                          modulation_factors(inputs, modulation, compare_scope)))
+    return final_advantages, modulation_stats
+
+
+def engine_is_weights(micro_batch: UpdateBatch, mask: torch.Tensor, old_logp: torch.Tensor,
+                      loss_cfg: PolicyLossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each token's loss weight w(pi_old / pi_engine) (``dynamo.loss.engine_is``) and its metrics: w >= 0, so
+    weighting the advantage weights the clipped loss term alike (``losses.engine_importance_weights``)."""
+    if micro_batch.engine_logp is None:
+        raise RuntimeError("dynamo.loss.engine_is needs the engine's log-probs in the micro-batch")
+    engine_logp = micro_batch.engine_logp[mask]
+    weights = engine_importance_weights(old_logp, engine_logp, loss_cfg.engine_is, loss_cfg.engine_is_cap)
+    rho = torch.exp((old_logp - engine_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    changed = weights == 0 if loss_cfg.engine_is == "mask" else rho > loss_cfg.engine_is_cap
+    return weights, {
+        "actor/engine_is_weight_mean": weights.mean() if weights.numel() else weights.new_zeros(()),
+        "actor/engine_is_capped_frac": changed.float().mean() if changed.numel() else weights.new_zeros(())}
+
+
 def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, scope: ModulationScope | None,
                    global_denominator: float, temperature: float, chunk_size: int | None = None,
-                   compare_scope: ModulationScope | None = None) -> Callable:
+                   compare_scope: ModulationScope | None = None,
+                   timer: Callable[[str], ContextManager] | None = None) -> Callable:
     """The actor loss of one micro-batch: token stats -> ratio and clip mask -> modulated advantages (with the
     mini-batch-wide ``scope``) -> PPO clip aggregated over ``global_denominator``.
 
     ``compare_scope`` (a diagnostic, nothing is trained with it): another scope of the same mini-batch (the
     old-policy one, while training with the current-policy one); the metrics then carry the absolute differences
     of beta_comp and beta_stab between the two, per token: ``scope_gap/{beta_comp,beta_stab}_{sum,max}`` over the
-    valid tokens, and ``scope_gap/num_tokens``."""
+    valid tokens, and ``scope_gap/num_tokens``.
+
+    ``timer`` (the step's stage timer): with modulation on, :func:`modulate` is timed as the stage
+    ``modulation`` (inside ``train``, whose forward runs this loss)."""
+    modulation_stage = timer if timer is not None and modulation.enabled else (lambda _: nullcontext())
 
     def loss_fn(model_output, micro_batch):
         stats, seq_ids, mask = response_token_stats(model_output, micro_batch, temperature, chunk_size)
         # No old_logp: this forward runs on the old policy's weights and stands in for the old-log-prob pass
         # (trainer/old_logprobs.py).
-        update_is_old_pass = "old_logp" not in micro_batch
-        old_logp = stats.logp.detach() if update_is_old_pass else micro_batch["old_logp"][mask]
-        advantages = micro_batch["advantages"][seq_ids]
+        update_is_old_pass = micro_batch.old_logp is None
+        old_logp = stats.logp.detach() if update_is_old_pass else micro_batch.old_logp[mask]
+        advantages = micro_batch.advantages[seq_ids]
         valid = torch.ones_like(old_logp, dtype=torch.bool)
         logp = stats.logp
         entropy = stats.entropy.detach()  # a weight everywhere but in an entropy bonus (stats.entropy, below)
         ratio = policy_ratio(logp.detach(), old_logp)
         clipped = ppo_clip_mask(ratio, advantages, loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.clip_ratio_c)
-        final_advantages, modulation_stats = modulate_advantages(
-            advantages, entropy, logp.detach(), stats.sum_pi2_lambda, ratio, clipped, valid,
-            seq_ids=seq_ids, cfg=modulation, scope=scope)
-        if compare_scope is not None and modulation.enabled:
-            inputs = ModulationInputs(advantages=advantages, entropy=entropy, mask=valid, logp=logp.detach(),
-                                      sum_pi2_lambda=stats.sum_pi2_lambda, ratio=ratio, clipped_mask=clipped,
-                                      seq_ids=seq_ids)
-            modulation_stats.update(scope_gap(modulation_factors(inputs, modulation, scope),
-                                              modulation_factors(inputs, modulation, compare_scope)))
+        inputs = ModulationInputs(advantages=advantages, entropy=entropy, mask=valid, logp=logp.detach(),
+                                  sum_pi2_lambda=stats.sum_pi2_lambda, ratio=ratio, clipped_mask=clipped,
+                                  seq_ids=seq_ids)
+        with modulation_stage("modulation"):
+            final_advantages, modulation_stats = modulate(inputs, modulation, scope, compare_scope)
         if loss_cfg.engine_is != "off":
-            # Each token's loss weighted by w(pi_old / pi_engine) (dynamo.loss.engine_is): w >= 0, so weighting the
-            # advantage weights the clipped loss term alike (losses.engine_importance_weights).
-            if "engine_logp" not in micro_batch:
-                raise RuntimeError("dynamo.loss.engine_is needs the engine's log-probs in the micro-batch")
-            engine_logp = micro_batch["engine_logp"][mask]
-            weights = engine_importance_weights(old_logp, engine_logp, loss_cfg.engine_is, loss_cfg.engine_is_cap)
+            weights, is_metrics = engine_is_weights(micro_batch, mask, old_logp, loss_cfg)
             final_advantages = final_advantages * weights
-            rho = torch.exp((old_logp - engine_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-            changed = weights == 0 if loss_cfg.engine_is == "mask" else rho > loss_cfg.engine_is_cap
-            modulation_stats["actor/engine_is_weight_mean"] = weights.mean() if weights.numel() \
-                else weights.new_zeros(())
-            modulation_stats["actor/engine_is_capped_frac"] = changed.float().mean() if changed.numel() \
-                else weights.new_zeros(())
-        if "loss_weight" in micro_batch:
-            # Each prompt's weight (dynamo.loss.prompt_weight; exactly 1 by default): on the advantage after the
-            # modulation, which weights the token's loss (the losses allowed with it are homogeneous in A); the
-            # denominator is weighted alike (step_metrics.global_denominator).
-            final_advantages = final_advantages * micro_batch["loss_weight"][seq_ids].to(final_advantages.dtype)
-        # The baselines' mini-batch-wide token selection (step.py, algorithms/baselines.py), when the loss has one.
-        selection = micro_batch["selection"][mask] if "selection" in micro_batch else None
+            modulation_stats.update(is_metrics)
+        # Each prompt's weight (dynamo.loss.prompt_weight; exactly 1 by default): on the advantage after the
+        # modulation, which weights the token's loss (the losses allowed with it are homogeneous in A); the
+        # denominator is weighted alike (step_metrics.global_denominator).
+        final_advantages = final_advantages * micro_batch.loss_weight[seq_ids].to(final_advantages.dtype)
+        # The baselines' mini-batch-wide token selection (token_selection.py, algorithms/baselines.py), if any.
+        selection = micro_batch.selection[mask] if micro_batch.selection is not None else None
         output = compute_actor_loss(logp, old_logp, final_advantages, valid, loss_cfg,
                                     global_denominator=global_denominator, seq_ids=seq_ids,
                                     entropy=stats.entropy, selection=selection)

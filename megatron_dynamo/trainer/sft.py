@@ -1,6 +1,6 @@
 """The supervised warm-up before RL: steps on (prompt, reference answer + EOS), so that a model from scratch solves
 some prompts before RL has any signal (the synthetic CPU default). Same micro-batching and the same Megatron actor
-as the RL update (``StepRunner.micro_batches_for``), a token-mean loss over the data-parallel ranks."""
+as the RL update (``PolicyUpdater.micro_batches_for``), a token-mean loss over the data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ def set_learning_rate(actor, lr: float) -> None:
         group["lr"] = lr
 
 
-def sft_warmup(run, examples, tokenizer, actor, runner, rank: int) -> list[float]:
+def sft_warmup(run, examples, tokenizer, actor, updater, rank: int) -> list[float]:
     """Supervised steps on (prompt, reference answer + EOS): a model from scratch must solve some prompts
-    before RL has any signal (the synthetic CPU default). Returns the losses."""
+    before RL has any signal (the synthetic CPU default). ``updater``: the RL update's ``PolicyUpdater``, whose
+    micro-batch layout and model output the warm-up shares. Returns the losses."""
     from megatron_dynamo.data.synthetic import sft_pairs
     from megatron_dynamo.trainer.batch import Sample
 
@@ -46,8 +47,8 @@ def sft_warmup(run, examples, tokenizer, actor, runner, rank: int) -> list[float
         order = torch.randperm(len(samples), generator=generator)[:batch].tolist()
         chosen = [samples[i] for i in order]
         denominator = float(sum(s.num_response_tokens for s in chosen))
-        micro = runner.micro_batches_for(chosen)
-        results = actor.forward_backward(micro, sft_loss_fn(denominator), output=runner.model_output)
+        micro = updater.micro_batches_for(chosen)
+        results = actor.forward_backward(micro, sft_loss_fn(denominator), output=updater.model_output)
         actor.optimizer_step()
         from megatron.core import parallel_state
 

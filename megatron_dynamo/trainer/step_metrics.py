@@ -6,13 +6,13 @@ the loss denominators. Every function marked collective must be called by every 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dynamo.trainer.batch import Sample, scatter_token_values
+from megatron_dynamo.trainer.batch import Sample, token_values
 
 
 class RolloutError(RuntimeError):
@@ -65,15 +65,13 @@ def scatter_engine_logprobs(samples: list[Sample], plans, last_stage: bool, engi
     return True
 
 
-def scatter_into_plans(plans, values: dict[int, torch.Tensor], name: str, last_stage: bool) -> None:
-    """Per-sample token ``values`` into every micro-batch of ``plans`` as ``name`` (zeros off the last pipeline
-    stage, which computes no loss)."""
+def scatter_into_plans(plans, values: dict[int, torch.Tensor], name: Literal["old_logp", "engine_logp"],
+                       last_stage: bool) -> None:
+    """Per-sample token ``values`` into every micro-batch (``UpdateBatch``) of ``plans`` as its field ``name``
+    (zeros off the last pipeline stage, which computes no loss)."""
     for _, micro in plans:
         for mb in micro:
-            if last_stage:
-                scatter_token_values(mb, values, name)
-            else:
-                mb[name] = torch.zeros_like(mb["loss_mask"])
+            setattr(mb, name, token_values(mb, values if last_stage else None))
 
 
 def engine_gap_metrics(plans, local: dict[str, tuple[float, float]]) -> float:
@@ -88,8 +86,8 @@ def engine_gap_metrics(plans, local: dict[str, tuple[float, float]]) -> float:
     if is_metric_rank():
         for _, micro in plans:
             for mb in micro:
-                mask = mb["loss_mask"].bool()
-                gap = engine_gap_sums(mb["old_logp"][mask], mb["engine_logp"][mask])
+                mask = mb.loss_mask.bool()
+                gap = engine_gap_sums(mb.old_logp[mask], mb.engine_logp[mask])
                 n = float(gap["num_tokens"])
                 for key, name in (("rollout/logp_gap_mean", "abs_sum"), ("rollout/engine_kl_k3", "kl_k3_sum")):
                     s, c = local.get(key, (0.0, 0.0))

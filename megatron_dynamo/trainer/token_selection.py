@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynamo.algorithms.baselines import SELECTION_LOSSES, mini_batch_selection
-from megatron_dynamo.trainer.batch import scatter_token_values
+from megatron_dynamo.trainer.batch import token_values
 
 
 def selection_seed(seed: int, step: int, mini_batch: int) -> int:
@@ -35,7 +35,7 @@ def scatter_selections(loss_cfg, plans, old: dict[int, dict[str, torch.Tensor]],
     for index, (mini, micro) in enumerate(plans):
         if not last_stage:
             for mb in micro:
-                mb["selection"] = torch.zeros_like(mb["loss_mask"])
+                mb.selection = token_values(mb)
             continue
         mine = {s.index: (old[s.index]["logp"].cpu(), old[s.index]["entropy"].cpu()) for s in mini if s.index in old}
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
@@ -51,4 +51,4 @@ def scatter_selections(loss_cfg, plans, old: dict[int, dict[str, torch.Tensor]],
         chosen = mini_batch_selection(loss_cfg, advantages, logp, entropy, selection_seed(seed, step, index))
         per_sample = dict(zip((s.index for s in order), torch.split(chosen, sizes)))
         for mb in micro:
-            scatter_token_values(mb, per_sample, "selection")
+            mb.selection = token_values(mb, per_sample)

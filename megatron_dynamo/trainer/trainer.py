@@ -139,7 +139,7 @@ class Trainer:
         """Supervised steps before RL (``trainer/sft.py``); returns the losses."""
         from megatron_dynamo.trainer.sft import sft_warmup
 
-        return sft_warmup(self.run, self.examples, self.tokenizer, self.actor, self.runner, self.rank)
+        return sft_warmup(self.run, self.examples, self.tokenizer, self.actor, self.runner.updater, self.rank)
 
     def train(self) -> list[dict[str, Any]]:
         """Run the steps. A stop signal (``parallel.stop_signals``) ends the run at the next step boundary that
