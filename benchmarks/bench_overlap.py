@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/cpu_overlap.yaml", help="the recipe (default: %(default)s)")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated trainer.seed values (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the recipe's)")
-    parser.add_argument("--out", default="outputs/bench_overlap", help="run directories, JSON and plot")
+    parser.add_argument("--out", default="outputs/bench_overlap",
+                        help="run directories, JSON and plot; the warm-up and finished runs there are reused")
     parser.add_argument("--json", default=None, help="also write the JSON here (e.g. benchmarks/results/...)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stops the run in progress too (child_process.run)
