@@ -616,12 +616,18 @@ def test_ctrl_c_stops_the_running_runs_and_leaves_none_behind(tmp_path):
             threading.Event().wait(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Ctrl-C as a terminal delivers it, whatever SIGINT handling this process started with: Python's
+    # KeyboardInterrupt (a CI run launched in the background on 2026-11-26 saw the runs finish unstopped).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Thread(target=interrupt)
     timer.start()
     launcher = ablate.SubprocessLauncher()
-    with pytest.raises(ablate.AblationInterrupted, match="0 of 3 runs finished"):
-        ablate.execute(specs, STEPS, command_for, launcher, jobs=2, env_for=env_for)
-    timer.join()
+    try:
+        with pytest.raises(ablate.AblationInterrupted, match="0 of 3 runs finished"):
+            ablate.execute(specs, STEPS, command_for, launcher, jobs=2, env_for=env_for)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     assert not os.path.exists(os.path.join(specs[2].output_dir, "pid"))  # never started
     seen = set()
     for path in written:

@@ -110,7 +110,8 @@ def test_two_data_parallel_ranks_match_one(reference):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", [{"tensor_parallel": 2}, {"pipeline_parallel": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("parallel", [{"tensor_parallel": 2}, pytest.param({"pipeline_parallel": 2}, marks=pytest.mark.extended)],
+                         ids=["tp2", "pp2"])
 def test_tensor_and_pipeline_parallel_give_the_same_selection_and_loss(reference, parallel):
     cases = [(algo, "rows64") for algo in SELECTING]
     ranks = run_on_ranks(_worker, 2, parallel, cases)

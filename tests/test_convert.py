@@ -448,6 +448,7 @@ def _program(*args, timeout=300):
 
 
 @pytest.mark.distributed
+@pytest.mark.extended
 def test_cli_spawns_workers_converts_and_verifies(models, tmp_path):
     meg = tmp_path / "meg"
     code, _, err = _program("hf-to-megatron", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--out", meg,

@@ -327,6 +327,7 @@ def test_verl_parquet_loads_with_ids_answers_and_malformed_rows(tmp_path, caplog
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_verl_parquet_of_synthetic_problems_trains(tmp_path):
     from megatron_dynamo.data.synthetic import make_synthetic_task
 

@@ -176,6 +176,7 @@ def test_cpu_variant_of_the_model_part_runs(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU variant")
+@pytest.mark.extended
 def test_cpu_variant_of_the_update_part_runs(tmp_path):
     """--cpu: bench_update's variants (unfused/fused output layer, padded/dynamic/packed micro-batches) through the
     trainer's update on a tiny model, and the part's report of them."""

@@ -201,6 +201,7 @@ def test_train_sbatch_two_nodes_time_limit_saves_requeues_and_resumes_exactly(sl
           f"{time.monotonic() - release_started:.0f} s before the end); second start log:\n{second[:300]}")
 
 
+@pytest.mark.extended
 def test_srun_per_rank_preempted_mid_checkpoint_resumes_and_scancel_leaves_nothing(slurm, tmp_path):
     """srun with one task per rank (no torchrun, as the README shows): the job trains on 2 nodes; `scontrol
     requeue` while a checkpoint is being written (preemption) restarts it; the next start ignores the partial
@@ -296,6 +297,7 @@ def test_srun_task_per_rank_maps_slurm_localid_to_the_local_rank(slurm):
     assert rows == [("slurm", str(r), "4", str(r % 2), str(r % 2), str(r % 2)) for r in range(4)], proc.stdout
 
 
+@pytest.mark.extended
 def test_convert_sbatch_both_directions_with_its_own_workers(slurm, tmp_path):
     """convert.sbatch's one srun task converts HF -> Megatron at TP 2 (it spawns its 2 workers itself: a launch of
     one task is no launcher of ranks) and back; the round trip is bit-identical."""

@@ -295,6 +295,7 @@ def test_training_run_writes_metrics_checkpoints_and_plot(uninterrupted):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_warm_up_only_run_is_the_start_of_the_next(tmp_path):
     """trainer.steps=0: the warm-up alone, saved as step 0 (what dynamo ablate shares between variants); a run
     started from that checkpoint without a warm-up holds the very same policy: its evaluation before step 1 draws
