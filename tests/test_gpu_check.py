@@ -218,3 +218,18 @@ def test_a_failed_update_variant_reports_its_exception_not_the_warning_after_it(
     oom = "torch.OutOfMemoryError: CUDA out of memory."
     assert failure_line([oom], 1) == oom
     assert failure_line(["killed"], -9) == "killed" and failure_line([], -9) == "exit -9"
+
+
+def test_an_out_of_memory_the_card_cannot_hold_is_a_measured_limit_not_a_failure():
+    """The 1.5B part's rule for OOM, with the rows measured on the lent cards (local spec, bf16): 1x2048 peaked at
+    40.67 GiB with 14.61 GiB of activations, so 4x2048 needs ~84.5 GiB: expected on an 80 GiB H100 (79.2 GiB
+    usable), a failure on a 139 GiB H200 where it ran."""
+    from benchmarks.gpu_check_parts.part_model_1p5b import _predicted_peak_gib
+
+    rows = [{"micro-batch": "1x2048", "peak alloc GiB": 40.67, "activations GiB": 14.61},
+            {"micro-batch": "1x4096", "result": "OOM"}]
+    assert _predicted_peak_gib(rows, 4, 2048) == pytest.approx(40.67 + 3 * 14.61)
+    assert _predicted_peak_gib(rows, 4, 2048) > 0.9 * 79.2
+    assert _predicted_peak_gib(rows, 4, 2048) < 0.9 * 139.8
+    assert _predicted_peak_gib(rows, 1, 2048) == pytest.approx(40.67)
+    assert _predicted_peak_gib(rows, 2, 4096) is None  # 1x4096 did not run: no prediction, the OOM counts
