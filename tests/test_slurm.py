@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dynamo.launch.nemo import STOP_GRACE_S
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slurm
 
@@ -84,13 +86,16 @@ def wait_for(condition, timeout: float, what: str, job: int | None = None, log: 
         time.sleep(0.5)
     details = f"\njob: {job_info(job)}" if job else ""
     details += f"\nlog:\n{log.read_text()[-4000:]}" if log and log.exists() else ""
+    for rank_log in sorted(log.parent.glob("log-*.out")) if log else ():  # nemo-run's per-start rank logs
+        details += f"\n{rank_log.name}:\n{rank_log.read_text()[-3000:]}"
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{details}")
 
 
-def release(job: int) -> float:
+def release(job: int, log: Path | None = None) -> float:
     """A requeued job waits about 2 minutes (its BeginTime) before it starts again: let it start now, once its
     last start has ended on every node (released while the nodes still complete it, Slurm kills the new start:
-    "Job credential revoked")."""
+    "Job credential revoked"). The wait allows the ranks what the launchers allow them to stop (torchrun's agent:
+    launch/nemo.STOP_GRACE_S, 270 s) plus a minute; a failure shows the ranks' logs beside the batch log."""
     def idle() -> bool:
         states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout.split()
         return bool(states) and all(state == "idle" for state in states)
@@ -103,7 +108,9 @@ def release(job: int) -> float:
         time.sleep(2)
         return idle()
 
-    wait_for(settled, 120, "the requeued job to be pending on idle nodes", job)
+    signalled = time.monotonic()
+    wait_for(settled, STOP_GRACE_S + 60, "the requeued job to be pending on idle nodes", job, log)
+    print(f"\nrequeued and settled {time.monotonic() - signalled:.0f} s after the signal")
     start = time.monotonic()
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, capture_output=True)
     return start
@@ -176,7 +183,7 @@ def test_train_sbatch_two_nodes_time_limit_saves_requeues_and_resumes_exactly(sl
     wait_for(lambda: 2 in metrics(run_dir), 300, "step 2 of the job", job, log)
     signalled_after = max(metrics(run_dir))
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True)
-    release_started = release(job)
+    release_started = release(job, log)
     state = wait_for(lambda: finished(job), 400, "the requeued job to finish", job, log)
     wall = time.monotonic() - started
     text = log.read_text()
@@ -339,7 +346,7 @@ def test_launch_run_yaml_through_nemo_run_slurm_executor_saves_on_usr1_and_finis
     wait_for(lambda: 2 in metrics(run_dir), 300, "step 2 of the job", job, log)
     signalled_after = max(metrics(run_dir))
     subprocess.run(["scancel", "--signal=USR1", str(job)], check=True)  # what --signal=USR1@300 delivers
-    release(job)
+    release(job, log)
     state = wait_for(lambda: finished(job), 400, "the requeued job to finish", job, log)
     ranks = "".join(p.read_text() for p in sorted(log.parent.glob("log-*.out")))
     assert state == "COMPLETED", log.read_text()[-3000:] + ranks[-3000:]
@@ -379,7 +386,7 @@ def test_train_sbatch_engine_node_one_step_ahead_requeues_and_resumes_exactly(sl
     job = train_job(run_dir, log, *SEPARATE)
     wait_for(lambda: 2 in metrics(run_dir), 300, "step 2 of the job", job, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True)
-    release(job)
+    release(job, log)
     state = wait_for(lambda: finished(job), 400, "the requeued job to finish", job, log)
     text = log.read_text()
     assert state == "COMPLETED", text[-4000:]
