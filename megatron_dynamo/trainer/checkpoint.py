@@ -46,6 +46,7 @@ from megatron_dynamo.models.checkpoint_io.signing import SigningKey, signing_key
 from megatron_dynamo.models.checkpoint_io.verify import checkpoint_problem
 from megatron_dynamo.models.checkpoint_io.write_errors import write_exceptions, write_failure
 from megatron_dynamo.parallel.runtime import collective_device
+from megatron_dynamo.rollout.rollout_batch import RolloutBatch
 
 
 class CheckpointSaveError(RuntimeError):
@@ -199,8 +200,6 @@ def save_in_flight(directory: Path, batches: Sequence) -> None:
 def load_in_flight(path: str | os.PathLike) -> list:
     """The rollout batches a checkpoint holds in flight, in step order (none for a colocated run's)."""
     from safetensors.torch import load_file
-
-    from megatron_dynamo.rollout.rollout_batch import RolloutBatch
 
     file = Path(path) / IN_FLIGHT_FILE
     if not file.exists():

@@ -12,6 +12,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_dynamo.algorithms.losses import engine_gap_sums
+from megatron_dynamo.algorithms.prompt_weights import weighted_denominator
+from megatron_dynamo.parallel.placement import job_rank
+from megatron_dynamo.parallel.runtime import collective_device
+from megatron_dynamo.reward.math_reward import REWARD_REASONS, RewardStats
 from megatron_dynamo.trainer.batch import Sample, token_values
 
 
@@ -79,9 +84,6 @@ def engine_gap_metrics(plans, local: dict[str, tuple[float, float]]) -> float:
     micro-batches' tokens (``engine_logp``, ``old_logp``), from the pass already made (no extra forward):
     ``rollout/logp_gap_mean`` and ``rollout/engine_kl_k3`` (the k3 estimator of KL(engine || trainer) on the
     sampled tokens) as token-weighted sums in ``local``; returns ``rollout/logp_gap_max``."""
-    from megatron_dynamo.algorithms.losses import engine_gap_sums
-    from megatron_dynamo.parallel.runtime import collective_device
-
     largest = 0.0
     if is_metric_rank():
         for _, micro in plans:
@@ -102,9 +104,6 @@ def engine_gap_metrics(plans, local: dict[str, tuple[float, float]]) -> float:
 def raise_on_any_rank(failure: str | None, what: str) -> None:
     """Collective: raise :class:`RolloutError` on every rank if any rank has a ``failure`` (its text, else None),
     naming the first failed rank's reason."""
-    from megatron_dynamo.parallel.placement import job_rank
-    from megatron_dynamo.parallel.runtime import collective_device
-
     if dist.get_world_size() == 1:
         failed = [] if failure is None else [failure] if job_rank(0) == 0 else [f"rank {job_rank(0)}: {failure}"]
     else:
@@ -123,9 +122,6 @@ def raise_on_any_rank(failure: str | None, what: str) -> None:
 def sum_reward_stats(stats) -> dict[str, float]:
     """Collective: the reward counts of every engine leader's scoring summed (seconds: the slowest leader), as
     ``reward/*`` metrics (docs/metrics.md). ``stats``: this rank's RewardStats, None on ranks that did not score."""
-    from megatron_dynamo.parallel.runtime import collective_device
-    from megatron_dynamo.reward.math_reward import REWARD_REASONS, RewardStats
-
     summed = ["num_responses", "num_verified", "cache_hits", "workers_replaced", "over_budget"]
     local = stats or RewardStats()
     values = torch.tensor([float(local.counts[r]) for r in REWARD_REASONS] + [float(getattr(local, k)) for k in summed],
@@ -183,8 +179,6 @@ def reduce_scope_gaps(local: list[tuple[int, int, dict[str, float]]]) -> dict[st
 def global_denominator(mini_batch: list[Sample], mode: str) -> float:
     """The loss denominator of a mini-batch (every DP rank's share): its response tokens (``token-mean``) or
     sequences, each weighted by its prompt weight (``algorithms/prompt_weights.py``; 1 by default)."""
-    from megatron_dynamo.algorithms.prompt_weights import weighted_denominator
-
     return weighted_denominator([s.num_response_tokens for s in mini_batch], [s.loss_weight for s in mini_batch],
                                 mode)
 

@@ -13,11 +13,31 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_dynamo.algorithms.allocation import PromptHistory
-from megatron_dynamo.trainer.config import RunConfig
+from megatron_dynamo.data.dataset import PromptSampler
+from megatron_dynamo.eval.runner import EvalError, build_prompts, load_benchmarks
+from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
+from megatron_dynamo.models.export import export_to_hf
+from megatron_dynamo.models.qwen import load_hf_config
+from megatron_dynamo.parallel import runtime
+from megatron_dynamo.parallel.stop_signals import agreed_stop_signal, signal_name
+from megatron_dynamo.rollout.weight_sync import sync_weights
+from megatron_dynamo.trainer.actor import MegatronActor
+from megatron_dynamo.trainer.checkpoint import (CheckpointSaveError, NoIntactCheckpoint, list_checkpoints,
+                                                load_checkpoint, load_in_flight, load_start_checkpoint,
+                                                resume_checkpoint, rng_state, save_checkpoint, set_rng_state,
+                                                step_dir_name)
+from megatron_dynamo.trainer.config import RunConfig, eval_config
 # The run's errors and the rollout side's builders live beside it; importable from here too.
 from megatron_dynamo.trainer.errors import ResumeError, TrainingError, TrainingStopped  # noqa: F401
-from megatron_dynamo.trainer.rollout_setup import build_tokenizer, hf_weight_source  # noqa: F401
-from megatron_dynamo.trainer.sft import set_learning_rate
+from megatron_dynamo.trainer.metrics import MetricsLogger, MetricsLoggerError, format_duration, plot_reward_curve
+from megatron_dynamo.trainer.overlap import RemoteRollout, check_in_flight
+from megatron_dynamo.trainer.preflight import resolve_run_models
+from megatron_dynamo.trainer.rollout_producer import RolloutProducer
+from megatron_dynamo.trainer.rollout_setup import (build_tokenizer, create_engine, create_scorer,  # noqa: F401
+                                                   evaluate_on_engines, hf_weight_source, rollout_dtype,
+                                                   sampling_config, training_examples)
+from megatron_dynamo.trainer.sft import set_learning_rate, sft_warmup
+from megatron_dynamo.trainer.step import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +47,6 @@ class Trainer:
     (``parallel.placement.join_job``; None: colocated engines, one in every rank)."""
 
     def __init__(self, run: RunConfig, resume: bool = False, groups=None):
-        from megatron_dynamo.models.qwen import load_hf_config
-        from megatron_dynamo.parallel import runtime
-        from megatron_dynamo.trainer.checkpoint import list_checkpoints
-        from megatron_dynamo.trainer.preflight import resolve_run_models
-
         try:  # hub ids: their snapshots in the cache, never the network (the launcher's preflight resolved them)
             run = resolve_run_models(run, local_only=True)
         except ValueError as exc:
@@ -66,8 +81,6 @@ class Trainer:
     def _verified_resume_checkpoint(self) -> Path | None:
         """``--resume``: the newest intact checkpoint (every rank checks its own files against the manifest), before
         anything is built or written; each damaged one skipped is named in one line."""
-        from megatron_dynamo.trainer.checkpoint import NoIntactCheckpoint, resume_checkpoint
-
         try:
             path, lines = resume_checkpoint(self.checkpoint_root)
         except NoIntactCheckpoint as exc:
@@ -80,9 +93,6 @@ class Trainer:
     def _check_evaluation(self) -> None:
         """Read the periodic evaluation's benchmarks and measure their prompts now (every rank, so all fail
         alike), not after hours of training."""
-        from megatron_dynamo.eval.runner import EvalError, build_prompts, load_benchmarks
-        from megatron_dynamo.trainer.config import eval_config
-
         if not (self.run.evaluation.every or self.run.evaluation.at_start):
             return
         config = eval_config(self.run)
@@ -93,11 +103,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
-        from megatron_dynamo.data.dataset import PromptSampler
-        from megatron_dynamo.trainer.actor import MegatronActor
-        from megatron_dynamo.trainer.rollout_setup import rollout_dtype, sampling_config, training_examples
-        from megatron_dynamo.trainer.step import StepRunner
-
         run = self.run
         if self.hf_config["vocab_size"] < len(self.tokenizer):
             raise TrainingError(f"model vocab_size {self.hf_config['vocab_size']} is smaller than the tokenizer "
@@ -108,8 +113,6 @@ class Trainer:
         self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
                                    sequence_parallel=run.parallel.sequence_parallel)
         if run.model.checkpoint and hf_weights is None:  # a Megatron checkpoint: verified, then loaded
-            from megatron_dynamo.trainer.checkpoint import NoIntactCheckpoint, load_start_checkpoint
-
             try:
                 load_start_checkpoint(run.model.checkpoint, self.actor.chunks)
             except NoIntactCheckpoint as exc:
@@ -123,9 +126,6 @@ class Trainer:
                                         self.output_dir / "tokenizer" if self.rank == 0 else None)
         self.engine = self.scorer = producer = None
         if self.groups is None:  # colocated: this rank hosts its part of an engine
-            from megatron_dynamo.trainer.rollout_producer import RolloutProducer
-            from megatron_dynamo.trainer.rollout_setup import create_engine, create_scorer
-
             self.engine = create_engine(run, self.output_dir / "rollout_model", self.hf_config, self.tokenizer,
                                         self.engine_max_len, sleep_mode=True)
             self.scorer = create_scorer(run, self.engine)
@@ -137,18 +137,11 @@ class Trainer:
     # ------------------------------------------------------------------ phases
     def sft_warmup(self) -> list[float]:
         """Supervised steps before RL (``trainer/sft.py``); returns the losses."""
-        from megatron_dynamo.trainer.sft import sft_warmup
-
         return sft_warmup(self.run, self.examples, self.tokenizer, self.actor, self.runner.updater, self.rank)
 
     def train(self) -> list[dict[str, Any]]:
         """Run the steps. A stop signal (``parallel.stop_signals``) ends the run at the next step boundary that
         all ranks agree on, with that step's checkpoint saved: :class:`TrainingStopped`."""
-        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, load_checkpoint, load_in_flight
-        from megatron_dynamo.trainer.metrics import (MetricsLogger, MetricsLoggerError, format_duration,
-                                                     plot_reward_curve)
-        from megatron_dynamo.trainer.overlap import check_in_flight
-
         run = self.run
         started = time.perf_counter()
         start_step = 0
@@ -223,17 +216,12 @@ class Trainer:
         """Where the step's rollout comes from: this job's colocated engines, or the engine ranks (``groups``)."""
         if self.groups is None:
             return ColocatedRollout(self)
-        from megatron_dynamo.trainer.overlap import RemoteRollout
-
         return RemoteRollout(self.groups, self.run, self.runner, self.actor, self.history, self.sampler,
                              self.rollout_dtype)
 
     def _stop_after(self, step: int, signum: int, start_step: int, saved_step: int | None):
         """End the run at the boundary after ``step`` (all ranks): save its checkpoint unless it is saved already,
         then raise :class:`TrainingStopped` with a one-line message."""
-        from megatron_dynamo.parallel.stop_signals import signal_name
-        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, step_dir_name
-
         name = signal_name(signum)
         resume = "run the same command with --resume to continue"
         if step == start_step:
@@ -258,8 +246,6 @@ class Trainer:
         weights of ``step`` (rank 0 writes ``<output_dir>/eval/step_<N>`` and gets the metrics)."""
         from functools import partial
 
-        from megatron_dynamo.trainer.rollout_setup import evaluate_on_engines
-
         # The weights of `step` stay in the engine for the next rollout (a level-2 sleep would discard them).
         return evaluate_on_engines(self.run, self.engine, self.tokenizer, self.scorer, self.sampling, step,
                                    self.output_dir, self.engine_max_len,
@@ -267,9 +253,6 @@ class Trainer:
 
     def export_hf(self) -> Path:
         """Convert the latest checkpoint to an HF model directory (``<output_dir>/hf``) with the converter."""
-        from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
-        from megatron_dynamo.models.export import export_to_hf
-
         source = latest_checkpoint(self.checkpoint_root)
         target = self.output_dir / "hf"
         try:
@@ -281,21 +264,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def trainer_state(self) -> dict[str, Any]:
-        from megatron_dynamo.trainer.checkpoint import rng_state
-
         return {"history": self.history.state_dict(), "sampler": self.sampler.state_dict(), "rng": rng_state(),
                 "config": asdict(self.run)}
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
-        from megatron_dynamo.trainer.checkpoint import set_rng_state
-
         self.history.load_state_dict(state["history"])
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
 
     def save(self, step: int) -> Path:
-        from megatron_dynamo.trainer.checkpoint import save_checkpoint
-
         info = self.info
         in_flight = self.source.in_flight(step) if self.source is not None else []
         return save_checkpoint(self.checkpoint_root, step, self.actor.chunks, self.actor.optimizer,
@@ -321,15 +298,11 @@ class ColocatedRollout:
 
     def start(self, start_step: int, in_flight: list, evaluate: bool) -> dict[str, Any]:
         """The trainer's weights into the engines; ``evaluate``: evaluate them (metrics on rank 0)."""
-        from megatron_dynamo.rollout.weight_sync import sync_weights
-
         trainer = self.trainer
         sync_weights(trainer.engine, trainer.actor, dtype=trainer.rollout_dtype)
         return trainer.evaluate(0) if evaluate else {}
 
     def stop_signal(self) -> int:
-        from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
-
         return agreed_stop_signal()
 
     def step(self, step: int, evaluate: bool) -> dict[str, Any]:
