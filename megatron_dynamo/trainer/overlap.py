@@ -31,9 +31,8 @@ from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
 from megatron_dynamo.rollout import channel
 from megatron_dynamo.rollout.rollout_batch import RolloutBatch
 from megatron_dynamo.rollout.weight_sync import send_weights_to_engine_ranks
-from megatron_dynamo.trainer.errors import TrainingError
+from megatron_dynamo.trainer.errors import RolloutError, TrainingError
 from megatron_dynamo.trainer.step import StageTimer
-from megatron_dynamo.trainer.step_metrics import RolloutError
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,19 @@ import contextlib
 from typing import Any, Callable, ContextManager
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from megatron_dynamo.data.prompt_length import fit_prompt
 from megatron_dynamo.data.templates import render
+from megatron_dynamo.parallel.runtime import collective_device
+from megatron_dynamo.reward.math_reward import REWARD_REASONS, RewardStats
 from megatron_dynamo.rollout.allocation import allocate_counts
 from megatron_dynamo.rollout.exchange import ScoredResponses, gather_rollout
 from megatron_dynamo.rollout.interface import GenerationRequest, request_seed
 from megatron_dynamo.rollout.rollout_batch import RolloutBatch
 from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
-from megatron_dynamo.trainer.step_metrics import raise_on_any_rank, sum_reward_stats
+from megatron_dynamo.trainer.errors import raise_on_any_rank
 from megatron_dynamo.trainer.step_sampling import dynamic_sampling_batch
 
 
@@ -140,3 +144,22 @@ class RolloutProducer:
                             prompt_tokens=prompt_tokens, counts=[int(c) for c in counts], variance_ratio=1.0,
                             responses=rollout, history_index=[example_indices[p] for p in rollout.prompt_index],
                             history_correct=[int(r > 0.5) for r in rollout.rewards], metrics=metrics)
+
+
+def sum_reward_stats(stats) -> dict[str, float]:
+    """Collective: the reward counts of every engine leader's scoring summed (seconds: the slowest leader), as
+    ``reward/*`` metrics (docs/metrics.md). ``stats``: this rank's RewardStats, None on ranks that did not score."""
+    summed = ["num_responses", "num_verified", "cache_hits", "workers_replaced", "over_budget"]
+    local = stats or RewardStats()
+    values = torch.tensor([float(local.counts[r]) for r in REWARD_REASONS] + [float(getattr(local, k)) for k in summed],
+                          dtype=torch.float64, device=collective_device())
+    slowest = torch.tensor([local.seconds], dtype=torch.float64, device=collective_device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(values)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    values = values.tolist()
+    total = RewardStats(counts={r: int(v) for r, v in zip(REWARD_REASONS, values)},
+                        seconds=float(slowest.item()))
+    for key, value in zip(summed, values[len(REWARD_REASONS):]):
+        setattr(total, key, int(value))
+    return total.as_metrics()

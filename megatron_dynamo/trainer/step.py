@@ -27,11 +27,11 @@ from megatron_dynamo.algorithms.advantages import get_advantage_estimator
 from megatron_dynamo.algorithms.prompt_weights import prompt_weights
 from megatron_dynamo.rollout.weight_sync import sync_weights
 from megatron_dynamo.trainer.batch import Sample
-from megatron_dynamo.trainer.metrics import append_step_rows
+from megatron_dynamo.trainer.errors import raise_on_any_rank
+from megatron_dynamo.trainer.metrics import append_step_rows, prompt_rows, rollout_rows, solved_fraction
 from megatron_dynamo.trainer.offload import HostOffload, training_state_tensors
-from megatron_dynamo.trainer.step_metrics import (RolloutError, prompt_rows,  # noqa: F401 (step.RolloutError)
-                                                  raise_on_any_rank, rollout_rows, solved_fraction)
 from megatron_dynamo.trainer.update import PolicyUpdater
+
 
 @dataclass
 class StageTimer:
