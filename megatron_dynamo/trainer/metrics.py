@@ -26,7 +26,7 @@ class MetricsLogger:
     """``resume_from``: the step of the checkpoint a resumed run continues from. Rows of later steps (logged
     before the crash, and about to be logged again) are dropped from ``metrics.jsonl`` and from TensorBoard, so
     every step appears once. None: a new run (the file is started afresh). ``wandb``: a
-    :class:`~megatron_dynamo.trainer.config_outputs.WandbConfig` (mode other than disabled: a W&B run logs the same names
+    :class:`~megatron_dynamo.trainer.outputs.WandbConfig` (mode other than disabled: a W&B run logs the same names
     and steps, with ``run_config`` as its config); ``verbose``: W&B's own console lines too."""
 
     def __init__(self, output_dir: str, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
