@@ -47,15 +47,9 @@ LONG_FUNCTIONS: dict[str, int] = {
     "megatron_dynamo/commands/ablate.py:run": 192,
     "megatron_dynamo/commands/ablate_runs.py:execute": 123,
     "megatron_dynamo/commands/eval.py:run": 111,
-    "megatron_dynamo/models/export.py:iter_hf_weights": 108,
-    "megatron_dynamo/eval/runner.py:evaluate": 100,
     "megatron_dynamo/commands/compare.py:run": 90,
     "checkpoints_convert/cli.py:build_parser": 89,
     "megatron_dynamo/report/ablation.py:analyse": 79,
-    "megatron_dynamo/trainer/trainer.py:Trainer.train": 77,
-    "megatron_dynamo/trainer/checkpoint.py:save_checkpoint": 68,
-    "megatron_dynamo/reward/math_reward.py:MathRewardScorer._score": 67,
-    "megatron_dynamo/models/qwen.py:transformer_config": 67,
     "megatron_dynamo/report/ablation_plot.py:plot_ablation": 62,
 }
 # The product's imports of its own modules inside functions (module docstring), by file: "path" -> how many, each

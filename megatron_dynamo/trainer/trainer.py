@@ -144,39 +144,64 @@ class Trainer:
         all ranks agree on, with that step's checkpoint saved: :class:`TrainingStopped`."""
         run = self.run
         started = time.perf_counter()
-        start_step = 0
+        start_step, in_flight = self._resume_or_warm_up()
+        resumed = self.resume_from is not None
+        self.source = self._rollout_source()
+        logger = self._metrics_logger(start_step if resumed else None) if self.rank == 0 else None
+        try:
+            history = self._run_steps(start_step, in_flight, logger)
+        finally:
+            if logger is not None:
+                logger.close()
+        if self.rank == 0 and run.logging.plot:
+            plot_reward_curve(str(self.output_dir / "metrics.jsonl"))
+        if self.rank == 0 and run.checkpoint.export_hf:
+            self.export_hf()
+        if self.rank == 0:
+            log.info("done: %d steps in %s -> %s", run.trainer.steps - start_step,
+                     format_duration(time.perf_counter() - started), self.output_dir)
+        return history
+
+    def _resume_or_warm_up(self) -> tuple[int, list]:
+        """The step to start after and the batches in flight then: those of ``--resume``'s checkpoint, else step 0
+        after the supervised warm-up."""
         latest = self.resume_from
-        in_flight = []
         if self.resume and latest is None and self.rank == 0:
             log.warning("--resume: no checkpoint under %s; starting from scratch", self.checkpoint_root)
-        if latest is not None:
-            state = load_checkpoint(latest, self.actor.chunks, self.actor.optimizer)
-            self._load_trainer_state(state)
-            start_step = state["step"]
-            in_flight = load_in_flight(latest)
-            check_in_flight(in_flight, start_step, run)
-            if self.rank == 0:
-                log.info("--resume: loaded step %d from %s", start_step, latest)
-        else:
+        if latest is None:
             self.sft_warmup()
-        saved_step = start_step if latest is not None else None
-        self.source = self._rollout_source()
-        logger = None
+            return 0, []
+        state = load_checkpoint(latest, self.actor.chunks, self.actor.optimizer)
+        self._load_trainer_state(state)
+        start_step = state["step"]
+        in_flight = load_in_flight(latest)
+        check_in_flight(in_flight, start_step, self.run)
         if self.rank == 0:
-            try:
-                logger = MetricsLogger(str(self.output_dir), run.logging.tensorboard, run.logging.progress,
-                                       run.trainer.steps, resume_from=start_step if latest is not None else None,
-                                       wandb=run.logging.wandb, verbose=run.logging.verbose,
-                                       run_config=json.loads((self.output_dir / "config.json").read_text()))
-            except MetricsLoggerError as exc:
-                raise TrainingError(str(exc)) from None
+            log.info("--resume: loaded step %d from %s", start_step, latest)
+        return start_step, in_flight
+
+    def _metrics_logger(self, resume_from: int | None) -> MetricsLogger:
+        run = self.run
+        try:
+            return MetricsLogger(str(self.output_dir), run.logging.tensorboard, run.logging.progress,
+                                 run.trainer.steps, resume_from=resume_from, wandb=run.logging.wandb,
+                                 verbose=run.logging.verbose,
+                                 run_config=json.loads((self.output_dir / "config.json").read_text()))
+        except MetricsLoggerError as exc:
+            raise TrainingError(str(exc)) from None
+
+    def _run_steps(self, start_step: int, in_flight: list, logger: MetricsLogger | None) -> list[dict[str, Any]]:
+        """The steps after ``start_step``, each logged and checkpointed on schedule; the rollout source closed at
+        the end, or at the step boundary where the run stops."""
+        run = self.run
+        saved_step = start_step if self.resume_from is not None else None
         history = []
         try:
             # Every rank: the problems of an evaluation are split over all engines.
             eval_metrics = self.source.start(start_step, in_flight, run.evaluation.at_start and start_step == 0)
             if eval_metrics and logger is not None:
                 logger.log(0, eval_metrics)
-            if run.trainer.steps == 0 and latest is None:  # the warm-up alone: its model is the run's result
+            if run.trainer.steps == 0 and self.resume_from is None:  # the warm-up alone: its model is the result
                 self.save(0)
             for step in range(start_step + 1, run.trainer.steps + 1):
                 signum = self.source.stop_signal()  # every rank, so all stop after the same step
@@ -190,27 +215,21 @@ class Trainer:
                 if logger is not None:
                     logger.log(step, metrics)
                 if step % run.checkpoint.every == 0 or step == run.trainer.steps:
-                    try:  # a failed save stops the run: the steps after it could not be saved either
-                        self.save(step)
-                    except CheckpointSaveError as exc:
-                        self.source.close()  # at a step boundary: the engines wait for a command
-                        raise TrainingError(f"{exc}; the run stops (--resume continues from there)") from None
+                    self._save_or_stop(step)
                     saved_step = step
             self.source.close()
         except TrainingStopped:
             self.source.close()  # at a step boundary: the engines wait for a command, so they can be told
             raise
-        finally:
-            if logger is not None:
-                logger.close()
-        if self.rank == 0 and run.logging.plot:
-            plot_reward_curve(str(self.output_dir / "metrics.jsonl"))
-        if self.rank == 0 and run.checkpoint.export_hf:
-            self.export_hf()
-        if self.rank == 0:
-            log.info("done: %d steps in %s -> %s", run.trainer.steps - start_step,
-                     format_duration(time.perf_counter() - started), self.output_dir)
         return history
+
+    def _save_or_stop(self, step: int) -> None:
+        """A scheduled checkpoint; a failed save stops the run: the steps after it could not be saved either."""
+        try:
+            self.save(step)
+        except CheckpointSaveError as exc:
+            self.source.close()  # at a step boundary: the engines wait for a command
+            raise TrainingError(f"{exc}; the run stops (--resume continues from there)") from None
 
     def _rollout_source(self):
         """Where the step's rollout comes from: this job's colocated engines, or the engine ranks (``groups``)."""
