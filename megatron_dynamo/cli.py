@@ -40,11 +40,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser, or with ``command`` only that one's options: the other subcommands are listed by
+    name and help line without importing their modules, so ``dynamo --help`` and ``dynamo info`` start fast."""
     parser = argparse.ArgumentParser(
         prog="dynamo", description="DynaMO RLVR training on Megatron-Core. `dynamo <command> --help` for details.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if command is not None and name != command:
+            sub.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__,
                                             formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -52,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # The top-level parser has no option but --help: the first word that is no option names the command.
+    command = next((word for word in argv if not word.startswith("-")), "")
+    parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)
     # argparse ends a positional list at the first option: `train cfg --resume a=b` leaves `a=b` over. Overrides
     # may come anywhere on the line, so key=value leftovers join the command's overrides.

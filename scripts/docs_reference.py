@@ -72,7 +72,7 @@ def choices() -> dict[str, tuple]:
     from megatron_dynamo.parallel.placement import PLACEMENTS
     from megatron_dynamo.rollout.interface import registered_engines
     from megatron_dynamo.trainer.config import DTYPES, PACK_SEQUENCES
-    from megatron_dynamo.trainer.config_outputs import WANDB_MODES
+    from megatron_dynamo.trainer.outputs import WANDB_MODES
     from megatron_dynamo.trainer.old_logprobs import OLD_LOGPROB_PASSES
 
     return {"model.dtype": DTYPES, "data.prompt_overflow": PROMPT_OVERFLOW, "data.template": tuple(list_templates()),

@@ -1,6 +1,7 @@
 """The import graph keeps its rules (scripts/architecture.py): no circle between modules or packages, no import up
 the layers, no Megatron/vLLM in algorithms/, no private name taken from another module, no module over 400 lines,
-no product function over 60 lines but the listed ones (a list that only shrinks); docs/architecture.md shows the
+no product function over 60 lines but the listed ones (a list that only shrinks), no import of a project module
+inside a function but the listed ones (a list that only shrinks, under a total); docs/architecture.md shows the
 arrows of the code as it is. Planted trees show that each check fails."""
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def test_planted_tree_fails_on_each_rule(tmp_path):
             from megatron_dynamo.trainer.loop import run  # an entry point may call down, but the converter not here
             """,
     })
-    report = architecture.analyse(root, ("megatron_dynamo", "checkpoints_convert"), max_lines=40, long_functions={})
+    report = architecture.analyse(root, ("megatron_dynamo", "checkpoints_convert"), max_lines=40, long_functions={},
+                                  max_function_imports=1,
+                                  allowed_function_imports={"megatron_dynamo/trainer/loop.py": 1})
     assert report.module_cycles == [["megatron_dynamo.eval.scorer", "megatron_dynamo.trainer.loop"]]
     assert report.package_cycles == [["eval", "trainer"]]
     assert report.upward == ["megatron_dynamo/eval/scorer.py:2: megatron_dynamo.eval.scorer (stages) imports "
@@ -141,7 +144,7 @@ def test_planted_long_functions_fail(tmp_path):
     allowed = {"megatron_dynamo/data/long.py:grew": 12, "megatron_dynamo/data/long.py:shrank": 12,
                "megatron_dynamo/data/long.py:kept": 12, "megatron_dynamo/data/long.py:gone": 20}
     report = architecture.analyse(root, ("megatron_dynamo", "benchmarks"), max_function_lines=10,
-                                  long_functions=allowed)
+                                  long_functions=allowed, max_function_imports=0, allowed_function_imports={})
     assert report.long_functions == [
         "megatron_dynamo/data/long.py:Holder.method: function of 11 lines (over 10)",
         "megatron_dynamo/data/long.py:grew: function of 13 lines (listed at 12)",
@@ -150,6 +153,61 @@ def test_planted_long_functions_fail(tmp_path):
         "megatron_dynamo/data/long.py:shrank: in LONG_FUNCTIONS (12) but 9 lines now: remove the entry",
     ]
     assert report.problems() == report.long_functions
+
+
+def test_planted_function_imports_fail(tmp_path):
+    """Imports of project modules inside functions: one in an unlisted module, one more than listed, an entry above
+    its module's count, an entry whose module has none left, and a total over the maximum are each reported; module
+    level imports, third-party imports inside functions and a listed module at its count are not."""
+    root = _tree(tmp_path, {
+        "megatron_dynamo/__init__.py": "",
+        "megatron_dynamo/data/__init__.py": "",
+        "megatron_dynamo/data/rows.py": "import json\nimport megatron_dynamo.data  # at module level: not counted\n",
+        "megatron_dynamo/data/hub.py": """
+            def fetch():
+                import json
+                from . import rows  # relative: still a project module
+                return rows, json
+            """,
+        "megatron_dynamo/data/kept.py": """
+            def one():
+                if True:
+                    import megatron_dynamo.data.rows
+            """,
+        "megatron_dynamo/data/grew.py": """
+            class Holder:
+                def method(self):
+                    from megatron_dynamo.data.rows import hub
+                    from megatron_dynamo.data import kept
+            """,
+        "megatron_dynamo/data/shrank.py": "def f():\n    from megatron_dynamo.data import rows\n",
+        "benchmarks/__init__.py": "",
+        "benchmarks/bench_x.py": "def main():\n    from megatron_dynamo.data import rows\n",
+    })
+    allowed = {"megatron_dynamo/data/kept.py": 1, "megatron_dynamo/data/grew.py": 1,
+               "megatron_dynamo/data/shrank.py": 2, "megatron_dynamo/data/rows.py": 1}
+    report = architecture.analyse(root, ("megatron_dynamo", "benchmarks"), long_functions={}, max_function_imports=4,
+                                  allowed_function_imports=allowed)
+    assert report.function_imports == [
+        "megatron_dynamo/data/grew.py: 2 imports of project modules inside functions (listed at 1), at lines 4, 5: "
+        "import at the top, or list it with its reason",
+        "megatron_dynamo/data/hub.py: 1 imports of project modules inside functions (not listed), at lines 4: "
+        "import at the top, or list it with its reason",
+        "megatron_dynamo/data/rows.py: in FUNCTION_IMPORTS (1) but 0 now: lower the entry",
+        "megatron_dynamo/data/shrank.py: in FUNCTION_IMPORTS (2) but 1 now: lower the entry",
+        "5 imports of project modules inside functions, over MAX_FUNCTION_IMPORTS (4)",
+    ]
+    assert report.problems() == report.function_imports
+    within = {"megatron_dynamo/data/kept.py": 1, "megatron_dynamo/data/grew.py": 2, "megatron_dynamo/data/shrank.py": 1,
+              "megatron_dynamo/data/hub.py": 1}
+    assert architecture.analyse(root, ("megatron_dynamo", "benchmarks"), long_functions={}, max_function_imports=5,
+                                allowed_function_imports=within).problems() == []
+
+
+def test_the_function_import_budget_adds_up():
+    """The listed places are all the total allows: the maximum is no looser than the list."""
+    assert sum(architecture.FUNCTION_IMPORTS.values()) <= architecture.MAX_FUNCTION_IMPORTS
+    assert all(count > 0 for count in architecture.FUNCTION_IMPORTS.values())
 
 
 def test_a_circle_planted_in_a_copy_of_the_tree_fails(tmp_path):

@@ -202,7 +202,7 @@ def _update_worker(rank, world_size, cases):
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs
-    from megatron_dynamo.trainer.step_metrics import global_denominator
+    from megatron_dynamo.trainer.policy_loss import global_denominator
 
     from hf_reference import hf_state_dict
 

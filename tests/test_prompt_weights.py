@@ -76,7 +76,7 @@ def _worker(rank, world_size, parallel, cases):
     from megatron_dynamo.parallel import runtime
     from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
     from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn
-    from megatron_dynamo.trainer.step_metrics import global_denominator
+    from megatron_dynamo.trainer.policy_loss import global_denominator
 
     from hf_reference import hf_state_dict
     from samples import micro_batches_with_old_logp

@@ -128,15 +128,15 @@ def _built_trainer(monkeypatch, tmp_path, overrides, rank=0):
     from types import SimpleNamespace
 
     from megatron_dynamo.rollout.sharding import EngineLayout
-    from megatron_dynamo.trainer import actor as actor_module
-    from megatron_dynamo.trainer import rollout_setup
+    from megatron_dynamo.trainer import trainer as trainer_module
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.trainer import Trainer, build_tokenizer
 
-    monkeypatch.setattr(actor_module, "MegatronActor", lambda *args, **kwargs: None)
-    monkeypatch.setattr(rollout_setup, "create_engine",
+    # The names as the trainer module holds them (imported at its top).
+    monkeypatch.setattr(trainer_module, "MegatronActor", lambda *args, **kwargs: None)
+    monkeypatch.setattr(trainer_module, "create_engine",
                         lambda *args, **kwargs: SimpleNamespace(layout=EngineLayout(rank, rank + 1, 1)))
-    monkeypatch.setattr(rollout_setup, "create_scorer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(trainer_module, "create_scorer", lambda *args, **kwargs: None)
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={tmp_path / 'run'}", *overrides])
     trainer = Trainer.__new__(Trainer)
     trainer.run, trainer.rank, trainer.output_dir = run, rank, tmp_path / "run"

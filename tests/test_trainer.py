@@ -358,9 +358,9 @@ def test_resume_continues_exactly(uninterrupted, tmp_path):
 
 
 def _fault_worker(rank, world_size, output_dir):
-    from megatron_dynamo.trainer import step as step_module
     from megatron_dynamo.trainer import update as update_module
     from megatron_dynamo.trainer.config import load_run_config
+    from megatron_dynamo.trainer.errors import RolloutError
     from megatron_dynamo.trainer.trainer import Trainer
 
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={output_dir}", "trainer.sft_warmup_steps=0",
@@ -404,7 +404,7 @@ def _fault_worker(rank, world_size, output_dir):
         try:
             action()
             errors[what] = None
-        except step_module.RolloutError as exc:
+        except RolloutError as exc:
             errors[what] = str(exc)
         finally:
             vars(trainer.engine).pop(method, None)

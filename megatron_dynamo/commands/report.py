@@ -23,6 +23,9 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_dynamo.report.page import write_report
+from megatron_dynamo.report.runs import ReportInputError, expand_inputs
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
@@ -47,8 +50,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from megatron_dynamo.report.runs import ReportInputError, expand_inputs
-
     labels = args.labels
     if labels and len(labels) == 1 and "," in labels[0]:
         labels = [label.strip() for label in labels[0].split(",")]
@@ -63,8 +64,6 @@ def run(args) -> int:
         return 2
     out = args.out or (os.path.join(args.run_dirs[0], "report") if len(args.run_dirs) == 1
                        else os.path.join("outputs", "report"))
-    from megatron_dynamo.report.page import write_report
-
     for run_ in runs:
         for warning in run_.warnings:
             print(f"dynamo report: warning: {warning}", file=sys.stderr)

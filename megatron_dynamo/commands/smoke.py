@@ -13,6 +13,10 @@ import time
 
 import torch
 
+from megatron_dynamo.parallel import runtime
+from megatron_dynamo.parallel.spawn import run_on_ranks
+from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", default="configs/models/tiny-qwen2.json",
@@ -36,9 +40,6 @@ def train_random_tokens(rank, world_size, tp, pp, config, dtype, steps, lr, micr
     """One rank of the smoke run; returns {"losses" (last pipeline stage only), "step_seconds", "seconds",
     "tokens_per_step"}."""
     from megatron.core import tensor_parallel
-
-    from megatron_dynamo.parallel import runtime
-    from megatron_dynamo.trainer.actor import MegatronActor, OptimConfig
 
     info = runtime.init_distributed(runtime.ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=seed)
     actor = MegatronActor(config, dtype=dtype, optim=OptimConfig(lr=lr, weight_decay=0.0))
@@ -76,8 +77,6 @@ def _dp_group():
 
 
 def run(args) -> int:
-    from megatron_dynamo.parallel.spawn import run_on_ranks
-
     world = args.tp * args.pp * args.dp
     fn_args = (args.tp, args.pp, args.config, args.dtype, args.steps, args.lr, args.micro_batches,
                args.micro_batch_size, args.seq_len, args.seed)

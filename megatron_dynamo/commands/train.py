@@ -139,7 +139,7 @@ def run(args) -> int:
     from megatron_dynamo.launch.ranks import launch_training
     from megatron_dynamo.parallel import stop_signals
     from megatron_dynamo.parallel.spawn import RankError
-    from megatron_dynamo.trainer.step_metrics import RolloutError
+    from megatron_dynamo.trainer.errors import RolloutError
     from megatron_dynamo.trainer.trainer import TrainingError
 
     try:

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from megatron_dynamo.data.templates import render
+
 PROMPT_OVERFLOW = ("truncate_left", "drop", "refuse")
 
 
@@ -44,8 +46,6 @@ class PromptLengthReport:
 
 
 def render_prompts(examples: Sequence[Any], template: str) -> list[str]:
-    from megatron_dynamo.data.templates import render
-
     return [render(template, example.problem) for example in examples]
 
 

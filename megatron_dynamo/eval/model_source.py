@@ -22,8 +22,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dynamo.data.stopping import GenerationConfigError, stop_token_ids
 from megatron_dynamo.eval.runner import EvalError
+from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
 from megatron_dynamo.models.checkpoint_io import TOKENIZER_FILES, is_model_checkpoint
+from megatron_dynamo.models.export import export_to_hf
+from megatron_dynamo.models.hub import HubModelError, resolve_model_dir
 
 SOURCE_FILE = "converted_from.txt"
 
@@ -43,8 +47,6 @@ class ModelSource:
         """The ids that end a response of this model (see :func:`megatron_dynamo.data.stopping.stop_token_ids`):
         ``generation_config.json`` is looked for in ``hf_dir`` and in ``tokenizer_dir`` (``--tokenizer``); a
         malformed one is an EvalError."""
-        from megatron_dynamo.data.stopping import GenerationConfigError, stop_token_ids
-
         try:
             return stop_token_ids(tokenizer, template, [self.hf_dir, tokenizer_dir])
         except GenerationConfigError as exc:
@@ -58,9 +60,6 @@ def _is_hf_dir(path: Path) -> bool:
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The model directory an argument names (see the module doc; a hub id: its snapshot in the Hugging Face
     cache, downloaded there unless HF_HUB_OFFLINE is set), or EvalError saying what was found."""
-    from megatron_dynamo.models.hub import HubModelError, resolve_model_dir
-    from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
-
     try:
         path = resolve_model_dir(path, "checkpoint")
     except HubModelError as exc:
@@ -97,8 +96,6 @@ def prepare_model(path: str | os.PathLike, work_dir: str | os.PathLike,
                   tokenizer: str | os.PathLike | None = None) -> ModelSource:
     """Resolve ``path`` and make sure an HF directory with tokenizer files exists for it (converting a Megatron
     checkpoint into ``<work_dir>/hf_model``). ``tokenizer``: a directory to take tokenizer files from instead."""
-    from megatron_dynamo.models.export import export_to_hf
-
     source = resolve_checkpoint(path)
     training_config = None
     state = source / "trainer_state.json"

@@ -212,7 +212,38 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
     """
     dist = _process_group()
     output = Path(output_dir)
+    plan = _plan(engine, tokenizer, config, output, model, max_prompt_tokens, dist)
+    if plan.finished and progress is True and plan.rank == 0:
+        print(f"eval: resuming, {len(plan.finished)} of {len(plan.prompts)} problems already done", flush=True)
+    tracker = _Progress(total=len(plan.prompts), done=len(plan.prompts) - len(plan.pending),
+                        mode=progress if plan.rank == 0 else False)
+    start = time.perf_counter()
+    _generate_pending(engine, scorer, config, plan, output / SAMPLES_FILE, tracker, on_batch, dist)
+    seconds = time.perf_counter() - start
+    tracker.close()
+    return _shared_summary(plan, config, tracker.generated, seconds, output, dist)
+
+
+@dataclass
+class _EvalPlan:
+    """What an evaluation does, agreed by every rank: the benchmarks and their prompts, and the problems still to
+    generate (``pending``); rank 0 also holds the records of the finished ones (``finished``, from the files)."""
+
+    layout: EngineLayout | None
+    rank: int
+    benchmarks: list
+    prompts: dict
+    settings: dict[str, Any]
+    finished: dict
+    pending: list
+
+
+def _plan(engine, tokenizer, config: EvalConfig, output: Path, model: str | None, max_prompt_tokens: int | None,
+          dist) -> _EvalPlan:
+    """Validate, read the benchmarks, build the prompts and open the output (rank 0); an error on any rank is
+    raised on every rank before anyone generates."""
     layout, rank, failure, pending, finished = None, 0, None, [], {}
+    benchmarks, prompts, settings = [], {}, {}
     try:
         if dist is not None:
             layout = _engine_layout(engine, dist)
@@ -238,16 +269,18 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
         if failed:  # the same message on every rank (the lowest failed rank's)
             raise EvalError(failed[0])
         pending = states[0][1]
-    if finished and progress is True and rank == 0:
-        print(f"eval: resuming, {len(finished)} of {len(prompts)} problems already done", flush=True)
+    return _EvalPlan(layout, rank, benchmarks, prompts, settings, finished, pending)
 
+
+def _generate_pending(engine, scorer, config: EvalConfig, plan: _EvalPlan, samples_path: Path, tracker: _Progress,
+                      on_batch: Callable[[int], None] | None, dist) -> None:
+    """Generate and score the pending problems batch by batch, each engine its share; rank 0 appends each batch's
+    records to ``samples_path`` and to ``plan.finished``."""
     sampling = config.sampling()
-    samples_path = output / SAMPLES_FILE
+    layout, rank, prompts = plan.layout, plan.rank, plan.prompts
     score = layout is None or layout.is_leader
-    tracker = _Progress(total=len(prompts), done=len(prompts) - len(pending), mode=progress if rank == 0 else False)
-    todo = set(pending)
-    start = time.perf_counter()
-    for bench in benchmarks:
+    todo = set(plan.pending)
+    for bench in plan.benchmarks:
         problems = [ex for ex in bench.problems if (bench.name, ex.id) in todo]
         for first in range(0, len(problems), config.problems_per_batch):
             batch = problems[first:first + config.problems_per_batch]
@@ -261,22 +294,23 @@ def evaluate(engine, tokenizer, scorer, config: EvalConfig, output_dir: str | os
             if rank == 0:
                 write_lines(samples_path, records, "a")
                 for i, ex in enumerate(batch):  # grouped in problem order, by sample index
-                    finished[(bench.name, ex.id)] = records[i * config.n:(i + 1) * config.n]
+                    plan.finished[(bench.name, ex.id)] = records[i * config.n:(i + 1) * config.n]
             tracker.update(bench.name, len(batch))
             if on_batch is not None:
                 on_batch(len(batch))
-    seconds = time.perf_counter() - start
-    tracker.close()
 
+
+def _shared_summary(plan: _EvalPlan, config: EvalConfig, generated: int, seconds: float, output: Path,
+                    dist) -> dict[str, Any]:
+    """Rank 0 summarises and writes the summary; every rank gets it (or the same error)."""
     summary, failure = None, None
-    if rank == 0:
+    if plan.rank == 0:
         try:
-            summary = summarize(benchmarks, finished, config)
-            summary["settings"] = settings
-            summary["generated_problems"] = tracker.generated
+            summary = summarize(plan.benchmarks, plan.finished, config)
+            summary["settings"] = plan.settings
+            summary["generated_problems"] = generated
             summary["seconds"] = seconds
-            summary["problems_per_second"] = (tracker.generated / seconds if tracker.generated and seconds > 0
-                                              else None)
+            summary["problems_per_second"] = generated / seconds if generated and seconds > 0 else None
             write_json_atomic(output / SUMMARY_FILE, summary)
         except Exception as exc:  # noqa: BLE001 -- the other ranks wait for the summary
             if dist is None:

@@ -27,7 +27,7 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
     from megatron_dynamo.parallel.spawn import RankError
     from megatron_dynamo.trainer.config import with_algorithm
     from megatron_dynamo.trainer.preflight import check_run_inputs
-    from megatron_dynamo.trainer.step_metrics import RolloutError
+    from megatron_dynamo.trainer.errors import RolloutError
     from megatron_dynamo.trainer.trainer import ResumeError, TrainingError, TrainingStopped
 
     try:

@@ -17,7 +17,7 @@ def launch_training(run, resume: bool, nproc: int | None = None) -> None:
     from megatron_dynamo.parallel.process_guard import start_guard
     from megatron_dynamo.parallel.spawn import run_on_ranks
     from megatron_dynamo.parallel.stop_signals import STOP_SIGNALS
-    from megatron_dynamo.trainer.step_metrics import RolloutError
+    from megatron_dynamo.trainer.errors import RolloutError
     from megatron_dynamo.trainer.trainer import TrainingError
 
     start_guard()  # however this process ends, nothing it started (vLLM, reward workers, ranks) outlives it

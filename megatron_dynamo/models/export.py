@@ -37,8 +37,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,113 @@ def _world_state():
     return parallel_state
 
 
+@dataclass(frozen=True)
+class _ExportRanks:
+    """This rank's place in the model-parallel layout, and the destination's (``dst_tp``, ``dst_pp``: the TP rank
+    and pipeline stage of ``dst_rank``; None when every rank receives every tensor)."""
+
+    rank: int
+    tp_group: Any
+    pp_group: Any
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    tp_ranks: list[int]
+    pp_ranks: list[int]
+    dst_tp: int | None = None
+    dst_pp: int | None = None
+
+
+def _single_process_weights(order: list[ParamMapping], local: dict, out_dtype: torch.dtype
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A single process holds the whole model: every HF tensor, with no communication."""
+    for mapping in order:
+        if mapping.hf_names not in local:
+            raise MappingError(f"no parameter of this model maps to {', '.join(mapping.hf_names)}")
+        own, param = local[mapping.hf_names]
+        for name, tensor in zip(own.hf_names, own.to_hf([param.detach()])):
+            yield name, tensor.to(out_dtype)
+
+
+def _export_ranks(ps, dst_rank: int | None) -> _ExportRanks | None:
+    """The layout of this rank and of ``dst_rank``; None when ``dst_rank`` is in another data-parallel replica
+    (which delivers to it)."""
+    rank = dist.get_rank()
+    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    mp_ranks = dist.get_process_group_ranks(ps.get_model_parallel_group())
+    if dst_rank is not None and dst_rank not in mp_ranks:
+        return None
+    return _ExportRanks(rank, tp_group, pp_group, ps.get_tensor_model_parallel_world_size(), tp_rank,
+                        ps.get_pipeline_model_parallel_world_size(), pp_rank,
+                        dist.get_process_group_ranks(tp_group), dist.get_process_group_ranks(pp_group))
+
+
+def _stage_owners(local: dict, ranks: _ExportRanks) -> dict[tuple[str, ...], int]:
+    """Which pipeline stage owns each parameter: one small exchange per call."""
+    per_stage: list = [None] * ranks.pp_size
+    dist.all_gather_object(per_stage, sorted(local), group=ranks.pp_group)
+    owner: dict[tuple[str, ...], int] = {}
+    for stage, keys in enumerate(per_stage):
+        for key in keys:
+            owner.setdefault(tuple(key), stage)
+    return owner
+
+
+def _with_destination(ps, ranks: _ExportRanks, dst_rank: int) -> _ExportRanks:
+    """dst's coordinates: the TP rank it has within its stage and its stage. Every rank of this replica can compute
+    them from the group layout: dst shares a pipeline group with the ranks of its TP rank."""
+    coords = [None] * dist.get_world_size(ps.get_model_parallel_group())
+    dist.all_gather_object(coords, (ranks.rank, ranks.tp_rank, ranks.pp_rank), group=ps.get_model_parallel_group())
+    dst_tp, dst_pp = next((t, p) for r, t, p in coords if r == dst_rank)
+    return replace(ranks, dst_tp=dst_tp, dst_pp=dst_pp)
+
+
+def _gather_tensor_parallel(own: ParamMapping, param: torch.Tensor, ranks: _ExportRanks, dst_rank: int | None,
+                            out_dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """On the owning stage: the TP shards of ``param`` joined into its HF tensors, on every rank of the stage
+    (``dst_rank`` None) or on the one with dst's TP rank; None elsewhere."""
+    tp_size, tensors = ranks.tp_size, None
+    shard = param.detach().contiguous()
+    if isinstance(own, ReplicatedMapping) or tp_size == 1:
+        shards = [shard] * tp_size if tp_size > 1 else [shard]
+        if dst_rank is None or ranks.tp_rank == ranks.dst_tp:
+            tensors = own.to_hf(shards)
+    elif dst_rank is None:
+        shards = [torch.empty_like(shard) for _ in range(tp_size)]
+        dist.all_gather(shards, shard, group=ranks.tp_group)
+        tensors = own.to_hf(shards)
+    else:
+        gather_dst = ranks.tp_ranks[ranks.dst_tp]
+        shards = [torch.empty_like(shard) for _ in range(tp_size)] if ranks.rank == gather_dst else None
+        dist.gather(shard, shards, dst=gather_dst, group=ranks.tp_group)
+        if ranks.rank == gather_dst:
+            tensors = own.to_hf(shards)
+    return None if tensors is None else [t.to(out_dtype).contiguous() for t in tensors]
+
+
+def _across_stages(tensors: list[torch.Tensor] | None, stage: int, shapes: list[tuple[int, ...]],
+                   ranks: _ExportRanks, dst_rank: int | None, out_dtype: torch.dtype, device: torch.device
+                   ) -> list[torch.Tensor] | None:
+    """From the owning ``stage`` to every stage (``dst_rank`` None: a broadcast) or to dst's (a point-to-point hop
+    between the ranks of dst's TP rank, which share a pipeline group)."""
+    if dst_rank is None:
+        if tensors is None:
+            tensors = [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
+        for t in tensors:
+            dist.broadcast(t, src=ranks.pp_ranks[stage], group=ranks.pp_group)
+    elif stage != ranks.dst_pp and ranks.tp_rank == ranks.dst_tp:
+        if ranks.pp_rank == stage:
+            for t in tensors:
+                dist.send(t, dst=dst_rank, group=ranks.pp_group)
+        elif ranks.rank == dst_rank:
+            tensors = [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
+            for t in tensors:
+                dist.recv(t, src=ranks.pp_ranks[stage], group=ranks.pp_group)
+    return tensors
+
+
 @torch.no_grad()
 def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, te_spec: bool = False, *,
                     dst_rank: int | None = None,
@@ -87,44 +195,16 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, t
     device = params[0].device
     out_dtype = dtype or params[0].dtype
     order = global_mappings(arch, te_spec)
-
     ps = _world_state()
     if ps is None or dist.get_world_size() == 1:
-        # A single process holds the whole model: no communication.
-        for mapping in order:
-            if mapping.hf_names not in local:
-                raise MappingError(f"no parameter of this model maps to {', '.join(mapping.hf_names)}")
-            own, param = local[mapping.hf_names]
-            for name, tensor in zip(own.hf_names, own.to_hf([param.detach()])):
-                yield name, tensor.to(out_dtype)
+        yield from _single_process_weights(order, local, out_dtype)
         return
-
-    rank = dist.get_rank()
-    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-    tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    tp_ranks = dist.get_process_group_ranks(tp_group)
-    pp_ranks = dist.get_process_group_ranks(pp_group)
-    mp_ranks = dist.get_process_group_ranks(ps.get_model_parallel_group())
-    if dst_rank is not None and dst_rank not in mp_ranks:
+    ranks = _export_ranks(ps, dst_rank)
+    if ranks is None:
         return  # another data-parallel replica delivers to dst_rank
-
-    # Which pipeline stage owns each parameter: one small exchange per call.
-    owned = sorted(local)
-    per_stage: list = [None] * pp_size
-    dist.all_gather_object(per_stage, owned, group=pp_group)
-    owner: dict[tuple[str, ...], int] = {}
-    for stage, keys in enumerate(per_stage):
-        for key in keys:
-            owner.setdefault(tuple(key), stage)
-
+    owner = _stage_owners(local, ranks)
     if dst_rank is not None:
-        # dst's coordinates: the TP rank it has within its stage and its stage. Every rank of this replica
-        # can compute them from the group layout: dst shares a pipeline group with the ranks of its TP rank.
-        coords = [None] * len(mp_ranks)
-        dist.all_gather_object(coords, (rank, tp_rank, pp_rank), group=ps.get_model_parallel_group())
-        dst_tp, dst_pp = next((t, p) for r, t, p in coords if r == dst_rank)
-
+        ranks = _with_destination(ps, ranks, dst_rank)
     for mapping in order:
         key = mapping.hf_names
         if key not in owner:
@@ -133,46 +213,10 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, t
         shapes = [tuple(s) for s in mapping.hf_shapes]
         if len(shapes) != len(key):
             raise MappingError(f"{mapping.megatron_name}: mapping carries no HF shapes")
-        tensors: list[torch.Tensor] | None = None
-
-        if pp_rank == stage:
-            own, param = local[key]
-            shard = param.detach().contiguous()
-            if isinstance(own, ReplicatedMapping) or tp_size == 1:
-                shards = [shard] * tp_size if tp_size > 1 else [shard]
-                if dst_rank is None or tp_rank == dst_tp:
-                    tensors = own.to_hf(shards)
-            elif dst_rank is None:
-                shards = [torch.empty_like(shard) for _ in range(tp_size)]
-                dist.all_gather(shards, shard, group=tp_group)
-                tensors = own.to_hf(shards)
-            else:
-                gather_dst = tp_ranks[dst_tp]
-                shards = [torch.empty_like(shard) for _ in range(tp_size)] if rank == gather_dst else None
-                dist.gather(shard, shards, dst=gather_dst, group=tp_group)
-                if rank == gather_dst:
-                    tensors = own.to_hf(shards)
-            if tensors is not None:
-                tensors = [t.to(out_dtype).contiguous() for t in tensors]
-
-        if pp_size > 1:
-            if dst_rank is None:
-                src = pp_ranks[stage]
-                if tensors is None:
-                    tensors = [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
-                for t in tensors:
-                    dist.broadcast(t, src=src, group=pp_group)
-            elif stage != dst_pp and tp_rank == dst_tp:
-                # Same TP rank as dst -> same pipeline group: a point-to-point hop from the owning stage.
-                if pp_rank == stage:
-                    for t in tensors:
-                        dist.send(t, dst=dst_rank, group=pp_group)
-                elif rank == dst_rank:
-                    tensors = [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
-                    for t in tensors:
-                        dist.recv(t, src=pp_ranks[stage], group=pp_group)
-
-        if dst_rank is None or rank == dst_rank:
+        tensors = _gather_tensor_parallel(*local[key], ranks, dst_rank, out_dtype) if ranks.pp_rank == stage else None
+        if ranks.pp_size > 1:
+            tensors = _across_stages(tensors, stage, shapes, ranks, dst_rank, out_dtype, device)
+        if dst_rank is None or ranks.rank == dst_rank:
             for name, shape, tensor in zip(key, shapes, tensors):
                 if tuple(tensor.shape) != shape:
                     raise MappingError(f"{name}: exported shape {tuple(tensor.shape)} differs from {shape}")

@@ -185,6 +185,28 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return table[name]
 
 
+def _architecture_kwargs(arch: QwenArchitecture) -> dict:
+    """The ``TransformerConfig`` keys of the Qwen architecture itself (no parallel layout, dtype or kernels)."""
+    return dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+    )
+
+
 def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32", **overrides):
     """The Megatron ``TransformerConfig`` of a Qwen architecture under the current parallel state.
 
@@ -207,22 +229,7 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
         raise UnsupportedModelConfig(
             f"config.json: num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel={pp}")
     kwargs = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.intermediate_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        kv_channels=arch.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=arch.initializer_range,
+        **_architecture_kwargs(arch),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),

@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from megatron_dynamo.report.runs import load_run
+
 RUNS_FILE = "runs.csv"
 PROBLEMS_FILE = "problems.csv.gz"
 RUNS_COLUMNS = ("variant", "seed", "pass1", "passk", "k", "train_rollouts", "steps", "wall_seconds")
@@ -75,8 +77,6 @@ def problem_counts(samples_path: str) -> list[tuple[str, str, int, int]]:
 
 def run_row(run: FinishedRun, k: int) -> dict[str, Any]:
     """The ``runs.csv`` row of a finished run, from its metrics.jsonl (the last row holding an evaluation)."""
-    from megatron_dynamo.report.runs import load_run
-
     records = load_run(run.path).records
     evaluated = [r for r in records if "eval/avg/pass@1" in r]
     final = evaluated[-1] if evaluated else {}

@@ -218,49 +218,19 @@ class MathRewardScorer:
         for i, response in enumerate(responses):
             was_truncated = (finish_reasons is not None and finish_reasons[i] == "length") or (
                 truncated is not None and bool(truncated[i]))
-            if was_truncated:
-                reasons[i] = "truncated"
+            reasons[i], extracted[i], forms = self._screen(i, response, references[i], was_truncated)
+            if reasons[i] is not None:
                 continue
-            if response is None or (isinstance(response, str) and not response.strip()):
-                reasons[i] = "empty"
-                continue
-            if not isinstance(response, str):
-                reasons[i] = "error"
-                continue
-            forms = normalize_references(references[i])
-            if not forms:
-                reasons[i] = "error"
-                logger.warning("response %d has no usable reference answer (%r)", i, references[i])
-                continue
-            answer = extract_answer(response, require_boxed=self.require_boxed)
-            extracted[i] = answer
-            if answer is None:
-                reasons[i] = "no_answer"
-                continue
-            if len(answer) > self.max_answer_chars:
-                reasons[i] = "too_long"
-                continue
-            key = (forms, answer)
+            key = (forms, extracted[i])
             if key not in task_index:
                 task_index[key] = len(tasks)
-                tasks.append((answer, forms))
+                tasks.append((extracted[i], forms))
             else:
                 stats.cache_hits += 1
             item_task[i] = task_index[key]
 
         if tasks:
-            if self._pool is not None:
-                replaced_before = self._pool.workers_replaced
-                outcomes, stats.verify_seconds = self._pool.run(tasks, self.max_batch_seconds)
-                stats.workers_replaced = self._pool.workers_replaced - replaced_before
-            else:
-                outcomes = self._run_inline(tasks)
-                stats.verify_seconds = time.perf_counter() - start
-            errors_logged = 0
-            for reason, detail in outcomes:
-                if reason == "error" and errors_logged < 5:
-                    logger.warning("reward error: %s", detail[:300])
-                    errors_logged += 1
+            outcomes = self._verify(tasks, start, stats)
             for i, task_id in item_task.items():
                 reasons[i] = outcomes[task_id][0]
                 stats.over_budget += outcomes[task_id][1] == OVER_BUDGET
@@ -272,6 +242,45 @@ class MathRewardScorer:
         rewards = np.array([1.0 if r == "correct" else 0.0 for r in final_reasons], dtype=np.float32)
         stats.seconds = time.perf_counter() - start
         return ScoredBatch(rewards=rewards, reasons=final_reasons, extracted_answers=extracted, stats=stats)
+
+    def _screen(self, i: int, response, reference, was_truncated: bool
+                ) -> tuple[str | None, str | None, tuple[str, ...]]:
+        """What can be told of response ``i`` without math-verify: (its reason, or None when it goes to the
+        verifier; the answer extracted from it; the reference's forms)."""
+        if was_truncated:
+            return "truncated", None, ()
+        if response is None or (isinstance(response, str) and not response.strip()):
+            return "empty", None, ()
+        if not isinstance(response, str):
+            return "error", None, ()
+        forms = normalize_references(reference)
+        if not forms:
+            logger.warning("response %d has no usable reference answer (%r)", i, reference)
+            return "error", None, ()
+        answer = extract_answer(response, require_boxed=self.require_boxed)
+        if answer is None:
+            return "no_answer", None, forms
+        if len(answer) > self.max_answer_chars:
+            return "too_long", answer, forms
+        return None, answer, forms
+
+    def _verify(self, tasks: list[tuple[str, tuple[str, ...]]], start: float, stats: RewardStats
+                ) -> list[tuple[str, str]]:
+        """math-verify on the distinct (answer, forms) tasks, in the worker pool or inline; the first few errors
+        logged."""
+        if self._pool is not None:
+            replaced_before = self._pool.workers_replaced
+            outcomes, stats.verify_seconds = self._pool.run(tasks, self.max_batch_seconds)
+            stats.workers_replaced = self._pool.workers_replaced - replaced_before
+        else:
+            outcomes = self._run_inline(tasks)
+            stats.verify_seconds = time.perf_counter() - start
+        errors_logged = 0
+        for reason, detail in outcomes:
+            if reason == "error" and errors_logged < 5:
+                logger.warning("reward error: %s", detail[:300])
+                errors_logged += 1
+        return outcomes
 
     def _run_inline(self, tasks: list[tuple[str, tuple[str, ...]]]) -> list[tuple[str, str]]:
         if threading.current_thread() is not threading.main_thread():

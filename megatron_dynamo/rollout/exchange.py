@@ -18,6 +18,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dynamo.parallel.runtime import collective_device
+
 _META_FIELDS = 4  # prompt index, sample index, response length, truncated
 
 
@@ -98,8 +100,6 @@ def _all_gather_padded(tensor: torch.Tensor, sizes: Sequence[int], device: torch
 def gather_rollout(local: ScoredResponses | None) -> ScoredResponses:
     """Collective over the default group: every rank's ``local`` share (``None`` or empty on ranks that are not
     engine leaders) to every rank, merged in canonical order. Raises if two shares hold the same response."""
-    from megatron_dynamo.parallel.runtime import collective_device
-
     local = local or ScoredResponses()
     meta, tokens, rewards, logprobs = local.pack()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron_dynamo.models.qwen import normalize_hf_config, parse_qwen_config
+
 #: vLLM's CPU backend's block size (tokens per KV-cache block) when none is given (vllm/platforms/cpu.py).
 CPU_BLOCK_SIZE = 128
 #: vLLM's default max_num_seqs on CPU for the ``LLM`` class, per rank of an engine (vllm/engine/arg_utils.py).
@@ -31,8 +33,6 @@ GiB = 2**30
 def kv_bytes_per_token(hf_config: dict[str, Any], tensor_parallel: int = 1, dtype_bytes: int = 4) -> int:
     """Bytes of KV cache one token takes on one rank of an engine: keys and values of every layer for this rank's
     KV heads (vLLM replicates KV heads when the engine has more ranks than the model has KV heads)."""
-    from megatron_dynamo.models.qwen import normalize_hf_config, parse_qwen_config
-
     arch = parse_qwen_config(normalize_hf_config(dict(hf_config)))
     heads_per_rank = max(1, math.ceil(arch.num_key_value_heads / tensor_parallel))
     return 2 * arch.num_layers * heads_per_rank * arch.head_dim * dtype_bytes

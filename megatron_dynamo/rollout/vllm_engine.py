@@ -60,6 +60,8 @@ from typing import Any, Sequence
 
 import torch
 
+from megatron_dynamo.library_logs import NUMA_NOTICE, native_stderr_without, quiet
+from megatron_dynamo.parallel import cpu_compat
 from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResponse, NamedTensors, SamplingConfig,
                                                WeightUpdateStats, check_requests, check_responses, register_engine,
                                                request_seed)
@@ -114,8 +116,6 @@ class VLLMEngine:
                      "max_num_batched_tokens"):
             if getattr(cfg, name) is not None:
                 kwargs[name] = getattr(cfg, name)
-        from megatron_dynamo.library_logs import NUMA_NOTICE, native_stderr_without, quiet
-
         if quiet() and "use_tqdm_on_load" in getattr(vllm.EngineArgs, "__dataclass_fields__", {}):
             kwargs["use_tqdm_on_load"] = False  # vLLM's own bar over the checkpoint shards (see library_logs)
         kwargs.update(cfg.engine_kwargs)
@@ -211,8 +211,6 @@ class VLLMEngine:
                 prompts.append({"prompt_token_ids": list(request.prompt_token_ids)})
             else:
                 prompts.append({"prompt": request.prompt_text})
-
-        from megatron_dynamo.parallel import cpu_compat
 
         with cpu_compat.suspended():  # vLLM never names CUDA on CPU: no Python hook on each of its torch ops
             outputs_by_request = self._run(prompts, params)

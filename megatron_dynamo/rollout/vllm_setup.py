@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
+from megatron_dynamo.library_logs import DropRecords, add_filter
 from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES, free_port, local_rank
 from megatron_dynamo.rollout.sharding import EngineLayout
 
@@ -154,8 +155,6 @@ def quiet_reload_records_of_buffer_only_layers(model: torch.nn.Module) -> None:
     hold only non-persistent buffers (the rotary embedding's cos/sin cache): no checkpoint has a tensor for them, so
     nothing is ever sent and the reload puts their buffers back as they were. Any other layer's record still shows
     (a weight missing from an update)."""
-    from megatron_dynamo.library_logs import DropRecords, add_filter
-
     names = set()
     for module in model.modules():
         buffers = {name for name, b in module._buffers.items() if b is not None}

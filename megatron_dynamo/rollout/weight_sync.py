@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from megatron_dynamo.models.export import iter_hf_weights
+from megatron_dynamo.rollout import channel
 from megatron_dynamo.rollout.interface import WeightUpdateStats
 
 
@@ -33,8 +35,6 @@ def sync_weights(engine, model: Any, arch: Any = None, *, dtype: torch.dtype | N
     used) or this rank's list of model chunks (then give ``arch``). ``dtype``: the dtype sent (default the engine's
     ``weight_dtype``). Returns this rank's stats (bytes and seconds: the engine consumes the gather as it loads).
     """
-    from megatron_dynamo.models.export import iter_hf_weights
-
     if hasattr(model, "chunks") and hasattr(model, "arch"):
         chunks, arch = model.chunks, model.arch
         te_spec = getattr(model, "use_te", False) if te_spec is None else te_spec
@@ -59,9 +59,6 @@ def send_weights_to_engine_ranks(control, model, *, dtype: torch.dtype | None = 
     trainer rank, None on the others (they only drive the gather)."""
     import time
 
-    from megatron_dynamo.models.export import iter_hf_weights
-    from megatron_dynamo.rollout import channel
-
     start = time.perf_counter()
     stream = iter_hf_weights(model.chunks, model.arch, bool(getattr(model, "use_te", False)), dst_rank=0,
                              dtype=dtype)
@@ -78,8 +75,6 @@ def send_weights_to_engine_ranks(control, model, *, dtype: torch.dtype | None = 
 def load_weights_from_trainer_ranks(engine, control) -> WeightUpdateStats:
     """The engine ranks' half: load the stream arriving on the ``control`` bridge into this rank's engine. A failure
     while loading still receives the stream to its end (the group stays in step) and re-raises afterwards."""
-    from megatron_dynamo.rollout import channel
-
     stream = channel.receive_weights(control)
     try:
         return engine.update_weights(stream)

@@ -29,8 +29,9 @@ import json
 import os
 import random
 import shutil
+from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ from megatron_dynamo.models.checkpoint_io.signing import SigningKey, signing_key
 from megatron_dynamo.models.checkpoint_io.verify import checkpoint_problem
 from megatron_dynamo.models.checkpoint_io.write_errors import write_exceptions, write_failure
 from megatron_dynamo.parallel.runtime import collective_device
+from megatron_dynamo.rollout.rollout_batch import RolloutBatch
 
 
 class CheckpointSaveError(RuntimeError):
@@ -88,64 +90,78 @@ def save_checkpoint(root: str | os.PathLike, step: int, chunks, optimizer, train
     signed when a key is configured (``models/checkpoint_io/signing.py``). Any failure (a full disk, an
     unwritable directory, an exception of torch DCP) raises :class:`CheckpointSaveError`, one line naming the
     directory and the cause, after the partial ``.tmp`` is removed; ``latest`` still names the previous step."""
-    from megatron.core import dist_checkpointing
-
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / (step_dir_name(step) + ".tmp")
     rank = dist.get_rank()
-    failed = write_exceptions()
-    error = None
-    try:
-        key = signing_key() if rank == 0 else None
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            for leftover in root.glob("step_*.tmp"):
-                shutil.rmtree(leftover, ignore_errors=True)
-            tmp.mkdir()
-            write_checkpoint_info(tmp, hf_config, dtype, source={"kind": "training", "step": step},
-                                  saved_with=saved_with, hf_files_from=hf_files_from)
-    except failed as exc:
-        error = exc
-    _raise_if_any_rank_failed(error, root, tmp, step)
-    try:
-        save_model_checkpoint(chunks, tmp)
-        (tmp / "optimizer").mkdir(exist_ok=True) if rank == 0 else None
-        dist.barrier()
-        sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks))
-        dist_checkpointing.save({"optimizer": sharded}, str(tmp / "optimizer"))
-        if rank == 0:
-            if in_flight:
-                save_in_flight(tmp, in_flight)
-            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state, "manifest": MANIFEST_FILE,
-                                                      "in_flight": [batch.step for batch in in_flight]}))
-    except failed as exc:
-        error = exc
-    _raise_if_any_rank_failed(error, root, tmp, step)
-    entries = None
-    try:  # every rank hashes the files it wrote (in threads); rank 0 merges them into the manifest
-        entries = hash_files(tmp, owned_files(tmp, rank))
-    except failed as exc:
-        error = exc
-    _raise_if_any_rank_failed(error, root, tmp, step)
+    phase = partial(_on_every_rank, root=root, tmp=tmp, step=step)
+    key = phase(lambda: _start_directory(root, tmp, rank, step, hf_config, dtype, saved_with, hf_files_from))
+    phase(lambda: _write_state(tmp, rank, step, chunks, optimizer, trainer_state, in_flight))
+    # every rank hashes the files it wrote (in threads); rank 0 merges them into the manifest
+    entries = phase(lambda: hash_files(tmp, owned_files(tmp, rank)))
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(entries, gathered, dst=0)
+    phase(lambda: _publish(root, tmp, final, gathered, key, keep_last) if rank == 0 else None)
+    return final
+
+
+def _on_every_rank(write: Callable[[], Any], root: Path, tmp: Path, step: int) -> Any:
+    """Collective: run this rank's part of a save phase; a failure on any rank is raised on every rank as one
+    :class:`CheckpointSaveError` (``_raise_if_any_rank_failed``)."""
+    result, error = None, None
     try:
-        if rank == 0:
-            write_manifest(tmp, {rel: entry for part in gathered for rel, entry in part.items()}, key)
-            pointer_tmp = root / (LATEST + ".tmp")
-            pointer_tmp.write_text(final.name + "\n")  # before the rename: nothing after it needs space
-            fsync_tree(tmp)
-            if final.exists():  # a damaged checkpoint of this step that --resume skipped: this save replaces it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            os.replace(pointer_tmp, root / LATEST)
-            for _, old in list_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    except failed as exc:
+        result = write()
+    except write_exceptions() as exc:
         error = exc
     _raise_if_any_rank_failed(error, root, tmp, step)
-    return final
+    return result
+
+
+def _start_directory(root: Path, tmp: Path, rank: int, step: int, hf_config: dict[str, Any], dtype: str,
+                     saved_with: dict[str, Any], hf_files_from: Sequence[str | os.PathLike]) -> SigningKey | None:
+    """Rank 0: the ``.tmp`` directory (leftovers of an interrupted save removed) with the checkpoint's info; the
+    signing key (rank 0's; None elsewhere or without one)."""
+    key = signing_key() if rank == 0 else None
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob("step_*.tmp"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp.mkdir()
+        write_checkpoint_info(tmp, hf_config, dtype, source={"kind": "training", "step": step},
+                              saved_with=saved_with, hf_files_from=hf_files_from)
+    return key
+
+
+def _write_state(tmp: Path, rank: int, step: int, chunks, optimizer, trainer_state: dict[str, Any],
+                 in_flight: Sequence) -> None:
+    """The model and optimizer shards (every rank), the batches in flight and the trainer's state (rank 0)."""
+    from megatron.core import dist_checkpointing
+
+    save_model_checkpoint(chunks, tmp)
+    (tmp / "optimizer").mkdir(exist_ok=True) if rank == 0 else None
+    dist.barrier()
+    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks))
+    dist_checkpointing.save({"optimizer": sharded}, str(tmp / "optimizer"))
+    if rank == 0:
+        if in_flight:
+            save_in_flight(tmp, in_flight)
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state, "manifest": MANIFEST_FILE,
+                                                  "in_flight": [batch.step for batch in in_flight]}))
+
+
+def _publish(root: Path, tmp: Path, final: Path, gathered: list, key: SigningKey | None, keep_last: int) -> None:
+    """Rank 0: the manifest, then ``tmp`` renamed to ``final`` and ``latest`` pointed at it; older checkpoints
+    pruned to ``keep_last``."""
+    write_manifest(tmp, {rel: entry for part in gathered for rel, entry in part.items()}, key)
+    pointer_tmp = root / (LATEST + ".tmp")
+    pointer_tmp.write_text(final.name + "\n")  # before the rename: nothing after it needs space
+    fsync_tree(tmp)
+    if final.exists():  # a damaged checkpoint of this step that --resume skipped: this save replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    os.replace(pointer_tmp, root / LATEST)
+    for _, old in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _raise_if_any_rank_failed(error: BaseException | None, root: Path, tmp: Path, step: int) -> None:
@@ -199,8 +215,6 @@ def save_in_flight(directory: Path, batches: Sequence) -> None:
 def load_in_flight(path: str | os.PathLike) -> list:
     """The rollout batches a checkpoint holds in flight, in step order (none for a colocated run's)."""
     from safetensors.torch import load_file
-
-    from megatron_dynamo.rollout.rollout_batch import RolloutBatch
 
     file = Path(path) / IN_FLIGHT_FILE
     if not file.exists():

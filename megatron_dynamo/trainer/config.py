@@ -16,7 +16,7 @@ from megatron_dynamo.algorithms.config import (AllocationConfig, DynamicSampling
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml, validate_tree
 from megatron_dynamo.parallel.runtime import ParallelConfig
 from megatron_dynamo.trainer.actor import OptimConfig
-from megatron_dynamo.trainer.config_outputs import CheckpointConfig, EvaluationConfig, LoggingConfig
+from megatron_dynamo.trainer.outputs import CheckpointConfig, EvaluationConfig, LoggingConfig
 
 DTYPES = ("fp32", "bf16")
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_dynamo.rollout import channel
 from megatron_dynamo.trainer.errors import TrainingError
 from megatron_dynamo.trainer.overlap import OverlapSchedule
-from megatron_dynamo.trainer.step_metrics import RolloutError, raise_on_any_rank
+from megatron_dynamo.trainer.errors import RolloutError, raise_on_any_rank
 
 log = logging.getLogger(__name__)
 

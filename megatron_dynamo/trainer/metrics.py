@@ -1,7 +1,9 @@
 """Per-step metrics: one JSON object per line in ``<output dir>/metrics.jsonl``, TensorBoard scalars, Weights &
 Biases (optional), a one-line summary per step on the console (with the ETA, above a progress bar on a terminal),
 and a reward curve PNG at the end. Only the process that owns the logger (rank 0) writes. Every metric name, its
-meaning and unit: ``docs/metrics.md``."""
+meaning and unit: ``docs/metrics.md``. Also which ranks measure the model's metrics and their mean over those ranks
+(:func:`collect_metric_sums`), and the step's per-prompt and per-response rows (``prompts.jsonl``,
+``rollouts.jsonl``)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+import torch.distributed as dist
+
 
 class MetricsLoggerError(RuntimeError):
     """A metrics sink cannot start (W&B: login, network); the message is one line."""
@@ -21,7 +26,7 @@ class MetricsLogger:
     """``resume_from``: the step of the checkpoint a resumed run continues from. Rows of later steps (logged
     before the crash, and about to be logged again) are dropped from ``metrics.jsonl`` and from TensorBoard, so
     every step appears once. None: a new run (the file is started afresh). ``wandb``: a
-    :class:`~megatron_dynamo.trainer.config_outputs.WandbConfig` (mode other than disabled: a W&B run logs the same names
+    :class:`~megatron_dynamo.trainer.outputs.WandbConfig` (mode other than disabled: a W&B run logs the same names
     and steps, with ``run_config`` as its config); ``verbose``: W&B's own console lines too."""
 
     def __init__(self, output_dir: str, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
@@ -243,3 +248,54 @@ def plot_reward_curve(metrics_path: str, out_path: str | None = None, label: str
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
     return out_path
+
+
+def collect_metric_sums(local: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Average metrics measured on the last pipeline stage's TP-rank-0 processes: ``local`` maps a name to
+    (sum, count) on those ranks and is empty elsewhere; rank 0 gets the means."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    totals: dict[str, list[float]] = {}
+    for part in gathered:
+        for key, (s, c) in (part or {}).items():
+            acc = totals.setdefault(key, [0.0, 0.0])
+            acc[0] += s
+            acc[1] += c
+    return {k: s / c for k, (s, c) in totals.items() if c > 0}
+
+
+def is_metric_rank() -> bool:
+    """Whether this rank measures the model's metrics: the last pipeline stage's tensor-parallel rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+
+
+def solved_fraction(prompt_ids: list[str], rewards: list[float]) -> float:
+    by_prompt: dict[str, list[float]] = {}
+    for pid, r in zip(prompt_ids, rewards):
+        by_prompt.setdefault(pid, []).append(r)
+    if not by_prompt:
+        return 0.0
+    return float(np.mean([min(v) > 0.5 for v in by_prompt.values()]))
+
+
+def prompt_rows(step: int, prompt_ids, counts, response_ids, rewards) -> list[dict[str, Any]]:
+    """``prompts.jsonl``: one row per prompt of the step, ``{"step", "prompt_id", "count" (rollouts allocated),
+    "correct" (responses with reward 1)}`` (``dynamo report`` plots success rate against allocation from it)."""
+    correct: dict[Any, int] = {}
+    for pid, reward in zip(response_ids, rewards):
+        correct[pid] = correct.get(pid, 0) + int(reward > 0.5)
+    return [{"step": step, "prompt_id": pid if isinstance(pid, (str, int)) else str(pid), "count": int(n),
+             "correct": correct.get(pid, 0)} for pid, n in zip(prompt_ids, counts)]
+
+
+def rollout_rows(step: int, responses, rewards, decode) -> list[dict[str, Any]]:
+    """``rollouts.jsonl`` (``logging.rollouts``): every response of the step in canonical order (prompt order, then
+    sample index), ``{"step", "prompt_id", "sample_index", "response_ids", "response", "reward"}``."""
+    rows, sample = [], {}
+    for (pid, _, ids), reward in zip(responses, rewards):
+        sample[pid] = sample.get(pid, -1) + 1
+        rows.append({"step": step, "prompt_id": pid, "sample_index": sample[pid], "response_ids": list(ids),
+                     "response": decode(list(ids)), "reward": float(reward)})
+    return rows

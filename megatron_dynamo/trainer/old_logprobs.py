@@ -17,14 +17,25 @@ The pass stays where something needs the old policy's numbers before the update'
   of every micro-batch, so it must be known before the first (and ``scope: current_policy`` needs the pass too);
 - a baseline with a mini-batch-wide token selection (Fork Tokens, Clip-COV, KL-COV) chosen before its update;
 - ``trainer.old_logprob_pass: always`` (the check above is ``auto``, the default).
+
+The module also puts the old log-probs and the engine's own log-probs of the sampled tokens into the micro-batches
+and measures the gap between the two.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
 import torch
+import torch.distributed as dist
 
 from megatron_dynamo.algorithms.baselines import SELECTION_LOSSES
-from megatron_dynamo.trainer.step_metrics import engine_gap_metrics, scatter_into_plans
+from megatron_dynamo.algorithms.losses import engine_gap_sums
+from megatron_dynamo.parallel.runtime import collective_device
+from megatron_dynamo.trainer.batch import Sample, token_values
+from megatron_dynamo.trainer.errors import RolloutError
+from megatron_dynamo.trainer.metrics import is_metric_rank
 
 #: trainer.old_logprob_pass: ``auto`` leaves the pass out where the update's forward gives the same numbers;
 #: ``always`` runs it every step.
@@ -93,8 +104,60 @@ def old_policy_metrics(plans, entropies: torch.Tensor, local: dict[str, tuple[fl
                        engine_logp: bool) -> float | None:
     """Collective: what a step reports of the old policy, as token-weighted sums in ``local``: ``entropy_mean`` (of
     ``entropies``, empty off the last pipeline stage) and, when the micro-batches carry the engine's log-probs
-    (``engine_logp``), the engine/trainer gap (``step_metrics.engine_gap_metrics``, whose maximum it returns; None
+    (``engine_logp``), the engine/trainer gap (``engine_gap_metrics``, whose maximum it returns; None
     without them)."""
     if entropies.numel():
         local["entropy_mean"] = (float(entropies.sum()), float(entropies.numel()))
     return engine_gap_metrics(plans, local) if engine_logp else None
+
+
+def scatter_engine_logprobs(samples: list[Sample], plans, last_stage: bool, engine_is: str) -> bool:
+    """The engine's log-probs of the sampled tokens into every micro-batch (``engine_logp``, beside ``old_logp``:
+    ``dynamo.loss.engine_is`` weighs the loss with them). False when the engine gave no log-probs (every rank holds
+    the same rollout, so all agree); then ``engine_is`` other than off is an error."""
+    engine = {}
+    for s in samples:
+        values = torch.tensor(s.engine_logp if s.engine_logp is not None else [math.nan] * s.num_response_tokens,
+                              dtype=torch.float32)
+        if values.numel() != s.num_response_tokens or not bool(torch.isfinite(values).all()):
+            engine = None
+            break
+        engine[s.index] = values
+    if engine is None or not samples:
+        if engine_is != "off":
+            raise RolloutError("dynamo.loss.engine_is needs the engine's log-prob of every sampled token; "
+                               "the engine returned none")
+        return False
+    scatter_into_plans(plans, engine, "engine_logp", last_stage)
+    return True
+
+
+def scatter_into_plans(plans, values: dict[int, torch.Tensor], name: Literal["old_logp", "engine_logp"],
+                       last_stage: bool) -> None:
+    """Per-sample token ``values`` into every micro-batch (``UpdateBatch``) of ``plans`` as its field ``name``
+    (zeros off the last pipeline stage, which computes no loss)."""
+    for _, micro in plans:
+        for mb in micro:
+            setattr(mb, name, token_values(mb, values if last_stage else None))
+
+
+def engine_gap_metrics(plans, local: dict[str, tuple[float, float]]) -> float:
+    """Collective (every rank calls it): the gap between the engine's and the trainer's old-policy log-probs of the
+    micro-batches' tokens (``engine_logp``, ``old_logp``), from the pass already made (no extra forward):
+    ``rollout/logp_gap_mean`` and ``rollout/engine_kl_k3`` (the k3 estimator of KL(engine || trainer) on the
+    sampled tokens) as token-weighted sums in ``local``; returns ``rollout/logp_gap_max``."""
+    largest = 0.0
+    if is_metric_rank():
+        for _, micro in plans:
+            for mb in micro:
+                mask = mb.loss_mask.bool()
+                gap = engine_gap_sums(mb.old_logp[mask], mb.engine_logp[mask])
+                n = float(gap["num_tokens"])
+                for key, name in (("rollout/logp_gap_mean", "abs_sum"), ("rollout/engine_kl_k3", "kl_k3_sum")):
+                    s, c = local.get(key, (0.0, 0.0))
+                    local[key] = (s + float(gap[name]), c + n)
+                largest = max(largest, float(gap["abs_max"]))
+    peak = torch.tensor([largest], dtype=torch.float64, device=collective_device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item())

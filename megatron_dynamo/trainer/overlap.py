@@ -27,10 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
 from megatron_dynamo.rollout import channel
 from megatron_dynamo.rollout.rollout_batch import RolloutBatch
-from megatron_dynamo.trainer.errors import TrainingError
-from megatron_dynamo.trainer.step_metrics import RolloutError
+from megatron_dynamo.rollout.weight_sync import send_weights_to_engine_ranks
+from megatron_dynamo.trainer.errors import RolloutError, TrainingError
+from megatron_dynamo.trainer.step import StageTimer
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,6 @@ class RemoteRollout:
             self._receive_batch()
 
     def _send_weights(self, control: channel.Control) -> dict[str, float]:
-        from megatron_dynamo.rollout.weight_sync import send_weights_to_engine_ranks
-
         if self.groups.control is not None:
             channel.send_control(self.groups.control, control)
         stats = send_weights_to_engine_ranks(self.groups.control, self.actor, dtype=self.rollout_dtype)
@@ -116,8 +116,6 @@ class RemoteRollout:
         """Hand the engines the run's start: the data position and prompt history (after the batches in flight,
         which the checkpoint holds), the weights of ``start_step``, and which batch comes next. ``evaluate``:
         the engines evaluate those weights first; returns the metrics (first trainer rank)."""
-        from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
-
         self._receive(channel.READY)
         for batch in in_flight:
             self.buffer[batch.step] = batch
@@ -139,9 +137,6 @@ class RemoteRollout:
         """Train on batch ``step``; then receive what the engines send with the weights they hold, agree on a stop,
         and send the new weights (``evaluate``: the engines evaluate them first). When stopping, the weights go
         out only for a due evaluation, and the engines generate nothing more."""
-        from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
-        from megatron_dynamo.trainer.step import StageTimer
-
         timer = StageTimer()
         start = time.perf_counter()
         with timer("wait_rollout"):

@@ -18,19 +18,22 @@ logits exist only chunk by chunk inside the routine (``parallel/token_stats.py``
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 
 from megatron_dynamo.algorithms.config import ModulationConfig, PolicyLossConfig
 from megatron_dynamo.algorithms.losses import (LOG_RATIO_LIMIT, compute_actor_loss, engine_importance_weights,
                                                policy_ratio, ppo_clip_mask)
 from megatron_dynamo.algorithms.modulation import (ModulationInputs, ModulationScope, modulate_advantages,
                                                    modulation_factors)
+from megatron_dynamo.algorithms.prompt_weights import weighted_denominator
 from megatron_dynamo.parallel.token_stats import (TokenStats, fused_vocab_parallel_token_stats,
                                                   vocab_parallel_token_stats)
 from megatron_dynamo.trainer.actor import OutputLayerInput
-from megatron_dynamo.trainer.batch import UpdateBatch
+from megatron_dynamo.trainer.batch import Sample, UpdateBatch
+from megatron_dynamo.trainer.metrics import is_metric_rank
 from megatron_dynamo.trainer.old_logprobs import TOKEN_OUTPUTS, full_token_values
 
 
@@ -179,7 +182,7 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
             modulation_stats.update(is_metrics)
         # Each prompt's weight (dynamo.loss.prompt_weight; exactly 1 by default): on the advantage after the
         # modulation, which weights the token's loss (the losses allowed with it are homogeneous in A); the
-        # denominator is weighted alike (step_metrics.global_denominator).
+        # denominator is weighted alike (global_denominator).
         final_advantages = final_advantages * micro_batch.loss_weight[seq_ids].to(final_advantages.dtype)
         # The baselines' mini-batch-wide token selection (token_selection.py, algorithms/baselines.py), if any.
         selection = micro_batch.selection[mask] if micro_batch.selection is not None else None
@@ -194,3 +197,48 @@ def dynamo_loss_fn(modulation: ModulationConfig, loss_cfg: PolicyLossConfig, sco
         return output.loss, metrics
 
     return loss_fn
+
+
+def global_denominator(mini_batch: list[Sample], mode: str) -> float:
+    """The loss denominator of a mini-batch (every DP rank's share): its response tokens (``token-mean``) or
+    sequences, each weighted by its prompt weight (``algorithms/prompt_weights.py``; 1 by default)."""
+    return weighted_denominator([s.num_response_tokens for s in mini_batch], [s.loss_weight for s in mini_batch],
+                                mode)
+
+
+def _add_scope_gap(total: dict[str, float], part: dict[str, float]) -> None:
+    """Scope-gap sums and maxima of ``part`` into ``total``: keys ending in ``_max`` by max, the others summed."""
+    for key, value in part.items():
+        total[key] = max(total[key], value) if key.endswith("_max") else total[key] + value
+
+
+def sum_scope_gaps(results: list[dict[str, Any]]) -> dict[str, float]:
+    """This rank's scope-gap sums and maxima over a mini-batch's micro-batches (``policy_loss.scope_gap``)."""
+    keys = ("num_tokens", "beta_comp_sum", "beta_stab_sum", "beta_comp_max", "beta_stab_max")
+    out = dict.fromkeys(keys, 0.0)
+    for r in results:
+        _add_scope_gap(out, {key: float(r.get(f"scope_gap/{key}", 0.0)) for key in keys})
+    return out
+
+
+def reduce_scope_gaps(local: list[tuple[int, int, dict[str, float]]]) -> dict[str, Any]:
+    """Collective: how far beta_comp and beta_stab under the old-policy scope are from those under the exact
+    (current-policy) scope, over the metric ranks (summed over DP, max of maxima): per step
+    ``modulation/scope_gap_{beta_comp,beta_stab}_{max,mean}`` (per token, over all mini-batches) and
+    ``modulation/scope_gap_by_mini_batch``, one [beta_comp max, beta_comp mean, beta_stab max, beta_stab mean]
+    per (epoch, mini-batch) in training order."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local if is_metric_rank() else [])
+    merged: dict[tuple[int, int], dict[str, float]] = {}
+    for part in gathered:
+        for epoch, index, gap in part or []:
+            _add_scope_gap(merged.setdefault((epoch, index), dict.fromkeys(gap, 0.0)), gap)
+    rows = [merged[k] for k in sorted(merged)]
+    tokens = sum(r["num_tokens"] for r in rows)
+    out: dict[str, Any] = {"modulation/scope_gap_by_mini_batch": [
+        [r["beta_comp_max"], r["beta_comp_sum"] / max(r["num_tokens"], 1.0), r["beta_stab_max"],
+         r["beta_stab_sum"] / max(r["num_tokens"], 1.0)] for r in rows]}
+    for name in ("beta_comp", "beta_stab"):
+        out[f"modulation/scope_gap_{name}_max"] = max((r[f"{name}_max"] for r in rows), default=0.0)
+        out[f"modulation/scope_gap_{name}_mean"] = sum(r[f"{name}_sum"] for r in rows) / max(tokens, 1.0)
+    return out

@@ -15,8 +15,20 @@ import contextlib
 from typing import Any, Callable, ContextManager
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from megatron_dynamo.data.prompt_length import fit_prompt
+from megatron_dynamo.data.templates import render
+from megatron_dynamo.parallel.runtime import collective_device
+from megatron_dynamo.reward.math_reward import REWARD_REASONS, RewardStats
+from megatron_dynamo.rollout.allocation import allocate_counts
+from megatron_dynamo.rollout.exchange import ScoredResponses, gather_rollout
+from megatron_dynamo.rollout.interface import GenerationRequest, request_seed
 from megatron_dynamo.rollout.rollout_batch import RolloutBatch
+from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
+from megatron_dynamo.trainer.errors import raise_on_any_rank
+from megatron_dynamo.trainer.step_sampling import dynamic_sampling_batch
 
 
 class RolloutProducer:
@@ -43,9 +55,6 @@ class RolloutProducer:
 
     def prompt_tokens(self, examples) -> tuple[list[tuple[int, ...]], int]:
         """The prompts' token ids as the engine and the model see them, and how many were cut."""
-        from megatron_dynamo.data.prompt_length import fit_prompt
-        from megatron_dynamo.data.templates import render
-
         out, truncated = [], 0
         for example in examples:
             ids = self.tokenizer.encode(render(self.run.data.template, example.problem), add_special_tokens=False)
@@ -62,8 +71,6 @@ class RolloutProducer:
         rounds of DAPO's dynamic sampling (``trainer/step_sampling.py``). The prompt history takes its results
         before this returns."""
         if self.run.dynamo.sampling.dynamic:
-            from megatron_dynamo.trainer.step_sampling import dynamic_sampling_batch
-
             return dynamic_sampling_batch(self, step, version, timer)
         return self.produce_round(step, version, self.run.data.prompts_per_step, timer)
 
@@ -71,8 +78,6 @@ class RolloutProducer:
         """Collective: ``size`` prompts drawn, allocated, generated and scored, and their results in the prompt
         history. ``round_index`` > 0 (a refill of dynamic sampling): a prompt drawn again in the same step gets
         other samples."""
-        from megatron_dynamo.rollout.allocation import allocate_counts
-
         with timer("data"):
             examples = self.sampler.next_batch(size)
             sampler_state = self.sampler.state_dict()
@@ -89,11 +94,6 @@ class RolloutProducer:
     def generate(self, step: int, version: int, examples, counts: list[int], timer,
                  round_index: int = 0) -> RolloutBatch:
         """Collective: generate this engine's share of the prompts, score it on the engine leader, exchange."""
-        from megatron_dynamo.rollout.exchange import ScoredResponses, gather_rollout
-        from megatron_dynamo.rollout.interface import GenerationRequest, request_seed
-        from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
-        from megatron_dynamo.trainer.step_metrics import raise_on_any_rank, sum_reward_stats
-
         layout = self.engine.layout
         with timer("data"):
             prompt_tokens, truncated = self.prompt_tokens(examples)
@@ -144,3 +144,22 @@ class RolloutProducer:
                             prompt_tokens=prompt_tokens, counts=[int(c) for c in counts], variance_ratio=1.0,
                             responses=rollout, history_index=[example_indices[p] for p in rollout.prompt_index],
                             history_correct=[int(r > 0.5) for r in rollout.rewards], metrics=metrics)
+
+
+def sum_reward_stats(stats) -> dict[str, float]:
+    """Collective: the reward counts of every engine leader's scoring summed (seconds: the slowest leader), as
+    ``reward/*`` metrics (docs/metrics.md). ``stats``: this rank's RewardStats, None on ranks that did not score."""
+    summed = ["num_responses", "num_verified", "cache_hits", "workers_replaced", "over_budget"]
+    local = stats or RewardStats()
+    values = torch.tensor([float(local.counts[r]) for r in REWARD_REASONS] + [float(getattr(local, k)) for k in summed],
+                          dtype=torch.float64, device=collective_device())
+    slowest = torch.tensor([local.seconds], dtype=torch.float64, device=collective_device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(values)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    values = values.tolist()
+    total = RewardStats(counts={r: int(v) for r, v in zip(REWARD_REASONS, values)},
+                        seconds=float(slowest.item()))
+    for key, value in zip(summed, values[len(REWARD_REASONS):]):
+        setattr(total, key, int(value))
+    return total.as_metrics()

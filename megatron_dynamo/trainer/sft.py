@@ -9,6 +9,11 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megatron_dynamo.data.dataset import GENERATED_TASKS
+from megatron_dynamo.data.synthetic import sft_pairs
+from megatron_dynamo.trainer.batch import Sample
+from megatron_dynamo.trainer.policy_loss import response_token_stats
+
 log = logging.getLogger(__name__)
 
 
@@ -21,14 +26,9 @@ def sft_warmup(run, examples, tokenizer, actor, updater, rank: int) -> list[floa
     """Supervised steps on (prompt, reference answer + EOS): a model from scratch must solve some prompts
     before RL has any signal (the synthetic CPU default). ``updater``: the RL update's ``PolicyUpdater``, whose
     micro-batch layout and model output the warm-up shares. Returns the losses."""
-    from megatron_dynamo.data.synthetic import sft_pairs
-    from megatron_dynamo.trainer.batch import Sample
-
     if run.trainer.sft_warmup_steps == 0:
         return []
     if run.data.sft_problems:  # the warm-up's own problems of the same task (config: generated tasks only)
-        from megatron_dynamo.data.dataset import GENERATED_TASKS
-
         task = GENERATED_TASKS[run.data.train]
         examples = (task.sft or task.make)(run.data.sft_problems, run.data.seed + 1)
     pairs = sft_pairs(examples, template=run.data.template, answer_format="plain")
@@ -66,8 +66,6 @@ def sft_warmup(run, examples, tokenizer, actor, updater, rank: int) -> list[floa
 
 
 def sft_loss_fn(denominator: float):
-    from megatron_dynamo.trainer.policy_loss import response_token_stats
-
     def loss_fn(model_output, micro_batch):
         stats, _, _ = response_token_stats(model_output, micro_batch, 1.0, None)
         loss = -stats.logp.sum() / denominator

@@ -25,10 +25,13 @@ import torch.distributed as dist
 
 from megatron_dynamo.algorithms.advantages import get_advantage_estimator
 from megatron_dynamo.algorithms.prompt_weights import prompt_weights
+from megatron_dynamo.rollout.weight_sync import sync_weights
 from megatron_dynamo.trainer.batch import Sample
-from megatron_dynamo.trainer.step_metrics import (RolloutError, prompt_rows,  # noqa: F401 (step.RolloutError)
-                                                  raise_on_any_rank, rollout_rows, solved_fraction)
+from megatron_dynamo.trainer.errors import raise_on_any_rank
+from megatron_dynamo.trainer.metrics import append_step_rows, prompt_rows, rollout_rows, solved_fraction
+from megatron_dynamo.trainer.offload import HostOffload, training_state_tensors
 from megatron_dynamo.trainer.update import PolicyUpdater
+
 
 @dataclass
 class StageTimer:
@@ -79,8 +82,6 @@ class StepRunner:
         (a level-1 sleep would copy the weights to host memory and back, a re-sync would gather them from
         Megatron again). With ``offload_training_state`` the training state comes back to the GPU and may not fit
         beside the awake engine: there it sleeps at level 1 (weights kept in host memory)."""
-        from megatron_dynamo.trainer.offload import HostOffload, training_state_tensors
-
         sleeping = self.run.rollout.sleep_during_training and getattr(self.engine, "sleep_mode", True)
         offload = None
         if self.run.rollout.offload_training_state:
@@ -160,8 +161,6 @@ class StepRunner:
         """Rank 0: ``rows`` of ``step`` appended to ``<output_dir>/<name>``. The first step this runner writes there
         first drops the file's rows of that step and later (a resumed run's steps after its checkpoint, or an
         earlier run's rows in the same directory)."""
-        from megatron_dynamo.trainer.metrics import append_step_rows
-
         append_step_rows(os.path.join(self.run.trainer.output_dir, name), rows,
                          drop_from_step=None if name in self._logs_started else step)
         self._logs_started.add(name)
@@ -173,8 +172,6 @@ class StepRunner:
     def _sync_weights(self, step: int) -> dict[str, float]:
         """Collective: the new weights into every rank's engine. A failure on any rank (which keeps relaying its
         part of the gather, so no rank hangs) becomes a :class:`RolloutError` on every rank."""
-        from megatron_dynamo.rollout.weight_sync import sync_weights
-
         stats, failure = None, None
         try:
             stats = sync_weights(self.engine, self.actor, dtype=self.rollout_dtype)

@@ -13,11 +13,31 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_dynamo.algorithms.allocation import PromptHistory
-from megatron_dynamo.trainer.config import RunConfig
+from megatron_dynamo.data.dataset import PromptSampler
+from megatron_dynamo.eval.runner import EvalError, build_prompts, load_benchmarks
+from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
+from megatron_dynamo.models.export import export_to_hf
+from megatron_dynamo.models.qwen import load_hf_config
+from megatron_dynamo.parallel import runtime
+from megatron_dynamo.parallel.stop_signals import agreed_stop_signal, signal_name
+from megatron_dynamo.rollout.weight_sync import sync_weights
+from megatron_dynamo.trainer.actor import MegatronActor
+from megatron_dynamo.trainer.checkpoint import (CheckpointSaveError, NoIntactCheckpoint, list_checkpoints,
+                                                load_checkpoint, load_in_flight, load_start_checkpoint,
+                                                resume_checkpoint, rng_state, save_checkpoint, set_rng_state,
+                                                step_dir_name)
+from megatron_dynamo.trainer.config import RunConfig, eval_config
 # The run's errors and the rollout side's builders live beside it; importable from here too.
 from megatron_dynamo.trainer.errors import ResumeError, TrainingError, TrainingStopped  # noqa: F401
-from megatron_dynamo.trainer.rollout_setup import build_tokenizer, hf_weight_source  # noqa: F401
-from megatron_dynamo.trainer.sft import set_learning_rate
+from megatron_dynamo.trainer.metrics import MetricsLogger, MetricsLoggerError, format_duration, plot_reward_curve
+from megatron_dynamo.trainer.overlap import RemoteRollout, check_in_flight
+from megatron_dynamo.trainer.preflight import resolve_run_models
+from megatron_dynamo.trainer.rollout_producer import RolloutProducer
+from megatron_dynamo.trainer.rollout_setup import (build_tokenizer, create_engine, create_scorer,  # noqa: F401
+                                                   evaluate_on_engines, hf_weight_source, rollout_dtype,
+                                                   sampling_config, training_examples)
+from megatron_dynamo.trainer.sft import set_learning_rate, sft_warmup
+from megatron_dynamo.trainer.step import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +47,6 @@ class Trainer:
     (``parallel.placement.join_job``; None: colocated engines, one in every rank)."""
 
     def __init__(self, run: RunConfig, resume: bool = False, groups=None):
-        from megatron_dynamo.models.qwen import load_hf_config
-        from megatron_dynamo.parallel import runtime
-        from megatron_dynamo.trainer.checkpoint import list_checkpoints
-        from megatron_dynamo.trainer.preflight import resolve_run_models
-
         try:  # hub ids: their snapshots in the cache, never the network (the launcher's preflight resolved them)
             run = resolve_run_models(run, local_only=True)
         except ValueError as exc:
@@ -66,8 +81,6 @@ class Trainer:
     def _verified_resume_checkpoint(self) -> Path | None:
         """``--resume``: the newest intact checkpoint (every rank checks its own files against the manifest), before
         anything is built or written; each damaged one skipped is named in one line."""
-        from megatron_dynamo.trainer.checkpoint import NoIntactCheckpoint, resume_checkpoint
-
         try:
             path, lines = resume_checkpoint(self.checkpoint_root)
         except NoIntactCheckpoint as exc:
@@ -80,9 +93,6 @@ class Trainer:
     def _check_evaluation(self) -> None:
         """Read the periodic evaluation's benchmarks and measure their prompts now (every rank, so all fail
         alike), not after hours of training."""
-        from megatron_dynamo.eval.runner import EvalError, build_prompts, load_benchmarks
-        from megatron_dynamo.trainer.config import eval_config
-
         if not (self.run.evaluation.every or self.run.evaluation.at_start):
             return
         config = eval_config(self.run)
@@ -93,11 +103,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
-        from megatron_dynamo.data.dataset import PromptSampler
-        from megatron_dynamo.trainer.actor import MegatronActor
-        from megatron_dynamo.trainer.rollout_setup import rollout_dtype, sampling_config, training_examples
-        from megatron_dynamo.trainer.step import StepRunner
-
         run = self.run
         if self.hf_config["vocab_size"] < len(self.tokenizer):
             raise TrainingError(f"model vocab_size {self.hf_config['vocab_size']} is smaller than the tokenizer "
@@ -108,8 +113,6 @@ class Trainer:
         self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
                                    sequence_parallel=run.parallel.sequence_parallel)
         if run.model.checkpoint and hf_weights is None:  # a Megatron checkpoint: verified, then loaded
-            from megatron_dynamo.trainer.checkpoint import NoIntactCheckpoint, load_start_checkpoint
-
             try:
                 load_start_checkpoint(run.model.checkpoint, self.actor.chunks)
             except NoIntactCheckpoint as exc:
@@ -123,9 +126,6 @@ class Trainer:
                                         self.output_dir / "tokenizer" if self.rank == 0 else None)
         self.engine = self.scorer = producer = None
         if self.groups is None:  # colocated: this rank hosts its part of an engine
-            from megatron_dynamo.trainer.rollout_producer import RolloutProducer
-            from megatron_dynamo.trainer.rollout_setup import create_engine, create_scorer
-
             self.engine = create_engine(run, self.output_dir / "rollout_model", self.hf_config, self.tokenizer,
                                         self.engine_max_len, sleep_mode=True)
             self.scorer = create_scorer(run, self.engine)
@@ -137,53 +137,71 @@ class Trainer:
     # ------------------------------------------------------------------ phases
     def sft_warmup(self) -> list[float]:
         """Supervised steps before RL (``trainer/sft.py``); returns the losses."""
-        from megatron_dynamo.trainer.sft import sft_warmup
-
         return sft_warmup(self.run, self.examples, self.tokenizer, self.actor, self.runner.updater, self.rank)
 
     def train(self) -> list[dict[str, Any]]:
         """Run the steps. A stop signal (``parallel.stop_signals``) ends the run at the next step boundary that
         all ranks agree on, with that step's checkpoint saved: :class:`TrainingStopped`."""
-        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, load_checkpoint, load_in_flight
-        from megatron_dynamo.trainer.metrics import (MetricsLogger, MetricsLoggerError, format_duration,
-                                                     plot_reward_curve)
-        from megatron_dynamo.trainer.overlap import check_in_flight
-
         run = self.run
         started = time.perf_counter()
-        start_step = 0
+        start_step, in_flight = self._resume_or_warm_up()
+        resumed = self.resume_from is not None
+        self.source = self._rollout_source()
+        logger = self._metrics_logger(start_step if resumed else None) if self.rank == 0 else None
+        try:
+            history = self._run_steps(start_step, in_flight, logger)
+        finally:
+            if logger is not None:
+                logger.close()
+        if self.rank == 0 and run.logging.plot:
+            plot_reward_curve(str(self.output_dir / "metrics.jsonl"))
+        if self.rank == 0 and run.checkpoint.export_hf:
+            self.export_hf()
+        if self.rank == 0:
+            log.info("done: %d steps in %s -> %s", run.trainer.steps - start_step,
+                     format_duration(time.perf_counter() - started), self.output_dir)
+        return history
+
+    def _resume_or_warm_up(self) -> tuple[int, list]:
+        """The step to start after and the batches in flight then: those of ``--resume``'s checkpoint, else step 0
+        after the supervised warm-up."""
         latest = self.resume_from
-        in_flight = []
         if self.resume and latest is None and self.rank == 0:
             log.warning("--resume: no checkpoint under %s; starting from scratch", self.checkpoint_root)
-        if latest is not None:
-            state = load_checkpoint(latest, self.actor.chunks, self.actor.optimizer)
-            self._load_trainer_state(state)
-            start_step = state["step"]
-            in_flight = load_in_flight(latest)
-            check_in_flight(in_flight, start_step, run)
-            if self.rank == 0:
-                log.info("--resume: loaded step %d from %s", start_step, latest)
-        else:
+        if latest is None:
             self.sft_warmup()
-        saved_step = start_step if latest is not None else None
-        self.source = self._rollout_source()
-        logger = None
+            return 0, []
+        state = load_checkpoint(latest, self.actor.chunks, self.actor.optimizer)
+        self._load_trainer_state(state)
+        start_step = state["step"]
+        in_flight = load_in_flight(latest)
+        check_in_flight(in_flight, start_step, self.run)
         if self.rank == 0:
-            try:
-                logger = MetricsLogger(str(self.output_dir), run.logging.tensorboard, run.logging.progress,
-                                       run.trainer.steps, resume_from=start_step if latest is not None else None,
-                                       wandb=run.logging.wandb, verbose=run.logging.verbose,
-                                       run_config=json.loads((self.output_dir / "config.json").read_text()))
-            except MetricsLoggerError as exc:
-                raise TrainingError(str(exc)) from None
+            log.info("--resume: loaded step %d from %s", start_step, latest)
+        return start_step, in_flight
+
+    def _metrics_logger(self, resume_from: int | None) -> MetricsLogger:
+        run = self.run
+        try:
+            return MetricsLogger(str(self.output_dir), run.logging.tensorboard, run.logging.progress,
+                                 run.trainer.steps, resume_from=resume_from, wandb=run.logging.wandb,
+                                 verbose=run.logging.verbose,
+                                 run_config=json.loads((self.output_dir / "config.json").read_text()))
+        except MetricsLoggerError as exc:
+            raise TrainingError(str(exc)) from None
+
+    def _run_steps(self, start_step: int, in_flight: list, logger: MetricsLogger | None) -> list[dict[str, Any]]:
+        """The steps after ``start_step``, each logged and checkpointed on schedule; the rollout source closed at
+        the end, or at the step boundary where the run stops."""
+        run = self.run
+        saved_step = start_step if self.resume_from is not None else None
         history = []
         try:
             # Every rank: the problems of an evaluation are split over all engines.
             eval_metrics = self.source.start(start_step, in_flight, run.evaluation.at_start and start_step == 0)
             if eval_metrics and logger is not None:
                 logger.log(0, eval_metrics)
-            if run.trainer.steps == 0 and latest is None:  # the warm-up alone: its model is the run's result
+            if run.trainer.steps == 0 and self.resume_from is None:  # the warm-up alone: its model is the result
                 self.save(0)
             for step in range(start_step + 1, run.trainer.steps + 1):
                 signum = self.source.stop_signal()  # every rank, so all stop after the same step
@@ -197,43 +215,32 @@ class Trainer:
                 if logger is not None:
                     logger.log(step, metrics)
                 if step % run.checkpoint.every == 0 or step == run.trainer.steps:
-                    try:  # a failed save stops the run: the steps after it could not be saved either
-                        self.save(step)
-                    except CheckpointSaveError as exc:
-                        self.source.close()  # at a step boundary: the engines wait for a command
-                        raise TrainingError(f"{exc}; the run stops (--resume continues from there)") from None
+                    self._save_or_stop(step)
                     saved_step = step
             self.source.close()
         except TrainingStopped:
             self.source.close()  # at a step boundary: the engines wait for a command, so they can be told
             raise
-        finally:
-            if logger is not None:
-                logger.close()
-        if self.rank == 0 and run.logging.plot:
-            plot_reward_curve(str(self.output_dir / "metrics.jsonl"))
-        if self.rank == 0 and run.checkpoint.export_hf:
-            self.export_hf()
-        if self.rank == 0:
-            log.info("done: %d steps in %s -> %s", run.trainer.steps - start_step,
-                     format_duration(time.perf_counter() - started), self.output_dir)
         return history
+
+    def _save_or_stop(self, step: int) -> None:
+        """A scheduled checkpoint; a failed save stops the run: the steps after it could not be saved either."""
+        try:
+            self.save(step)
+        except CheckpointSaveError as exc:
+            self.source.close()  # at a step boundary: the engines wait for a command
+            raise TrainingError(f"{exc}; the run stops (--resume continues from there)") from None
 
     def _rollout_source(self):
         """Where the step's rollout comes from: this job's colocated engines, or the engine ranks (``groups``)."""
         if self.groups is None:
             return ColocatedRollout(self)
-        from megatron_dynamo.trainer.overlap import RemoteRollout
-
         return RemoteRollout(self.groups, self.run, self.runner, self.actor, self.history, self.sampler,
                              self.rollout_dtype)
 
     def _stop_after(self, step: int, signum: int, start_step: int, saved_step: int | None):
         """End the run at the boundary after ``step`` (all ranks): save its checkpoint unless it is saved already,
         then raise :class:`TrainingStopped` with a one-line message."""
-        from megatron_dynamo.parallel.stop_signals import signal_name
-        from megatron_dynamo.trainer.checkpoint import CheckpointSaveError, step_dir_name
-
         name = signal_name(signum)
         resume = "run the same command with --resume to continue"
         if step == start_step:
@@ -258,8 +265,6 @@ class Trainer:
         weights of ``step`` (rank 0 writes ``<output_dir>/eval/step_<N>`` and gets the metrics)."""
         from functools import partial
 
-        from megatron_dynamo.trainer.rollout_setup import evaluate_on_engines
-
         # The weights of `step` stay in the engine for the next rollout (a level-2 sleep would discard them).
         return evaluate_on_engines(self.run, self.engine, self.tokenizer, self.scorer, self.sampling, step,
                                    self.output_dir, self.engine_max_len,
@@ -267,9 +272,6 @@ class Trainer:
 
     def export_hf(self) -> Path:
         """Convert the latest checkpoint to an HF model directory (``<output_dir>/hf``) with the converter."""
-        from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
-        from megatron_dynamo.models.export import export_to_hf
-
         source = latest_checkpoint(self.checkpoint_root)
         target = self.output_dir / "hf"
         try:
@@ -281,21 +283,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def trainer_state(self) -> dict[str, Any]:
-        from megatron_dynamo.trainer.checkpoint import rng_state
-
         return {"history": self.history.state_dict(), "sampler": self.sampler.state_dict(), "rng": rng_state(),
                 "config": asdict(self.run)}
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
-        from megatron_dynamo.trainer.checkpoint import set_rng_state
-
         self.history.load_state_dict(state["history"])
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
 
     def save(self, step: int) -> Path:
-        from megatron_dynamo.trainer.checkpoint import save_checkpoint
-
         info = self.info
         in_flight = self.source.in_flight(step) if self.source is not None else []
         return save_checkpoint(self.checkpoint_root, step, self.actor.chunks, self.actor.optimizer,
@@ -321,15 +317,11 @@ class ColocatedRollout:
 
     def start(self, start_step: int, in_flight: list, evaluate: bool) -> dict[str, Any]:
         """The trainer's weights into the engines; ``evaluate``: evaluate them (metrics on rank 0)."""
-        from megatron_dynamo.rollout.weight_sync import sync_weights
-
         trainer = self.trainer
         sync_weights(trainer.engine, trainer.actor, dtype=trainer.rollout_dtype)
         return trainer.evaluate(0) if evaluate else {}
 
     def stop_signal(self) -> int:
-        from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
-
         return agreed_stop_signal()
 
     def step(self, step: int, evaluate: bool) -> dict[str, Any]:

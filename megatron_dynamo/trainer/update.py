@@ -26,12 +26,12 @@ from megatron_dynamo.algorithms.modulation import ModulationScope, modulation_sc
 from megatron_dynamo.trainer.batch import (Sample, UpdateBatch, build_micro_batches, gather_token_values,
                                            make_micro_batches, plan_token_micro_batches, resolve_pack_sequences,
                                            shard_for_rank, split_mini_batches)
+from megatron_dynamo.trainer.metrics import collect_metric_sums, is_metric_rank
 from megatron_dynamo.trainer.old_logprobs import (entropies_from_update, old_entropies, old_logprob_pass,
-                                                  old_policy_metrics, update_gives_old_logprobs)
-from megatron_dynamo.trainer.policy_loss import dynamo_loss_fn, scope_inputs, token_stats_fn
-from megatron_dynamo.trainer.step_metrics import (collect_metric_sums, global_denominator, is_metric_rank,
-                                                  parallel_state, reduce_scope_gaps, scatter_engine_logprobs,
-                                                  sum_scope_gaps)
+                                                  old_policy_metrics, scatter_engine_logprobs,
+                                                  update_gives_old_logprobs)
+from megatron_dynamo.trainer.policy_loss import (dynamo_loss_fn, global_denominator, reduce_scope_gaps,
+                                                 scope_inputs, sum_scope_gaps, token_stats_fn)
 from megatron_dynamo.trainer.token_selection import scatter_selections
 
 #: A step's stage timer (``step.StageTimer``): ``with timer("stage"):`` adds the block's seconds to ``time/stage``.
@@ -116,7 +116,8 @@ class PolicyUpdater:
         ``micro_batch_size`` sequences each. ``trainer.pack_sequences``: sequences packed into one row without
         padding (``batch.packed_micro_batch``) or padded rows. The layout changes neither the loss nor the
         gradients: every micro-batch's loss is divided by the mini-batch's global denominator."""
-        ps = parallel_state()
+        from megatron.core import parallel_state as ps
+
         trainer = self.run.trainer
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         packed = resolve_pack_sequences(trainer.pack_sequences, getattr(self.actor, "use_te", False))
@@ -158,7 +159,9 @@ class PolicyUpdater:
         """The RL update of step ``step`` on scored ``samples``: old log-probs, token selections and modulation
         scopes, then one optimizer step per mini-batch of ``prompt_order`` and PPO epoch; returns its metrics.
         ``step`` seeds the baselines' random token selection (``trainer/token_selection.py``)."""
-        run, ps = self.run, parallel_state()
+        from megatron.core import parallel_state as ps
+
+        run = self.run
         plans: list[Plan] = [(mb, self.micro_batches_for(mb))
                              for mb in split_mini_batches(samples, prompt_order, run.trainer.mini_batch_prompts) if mb]
         layout = UpdateLayout(ps.is_pipeline_last_stage(ignore_virtual=True),

@@ -15,13 +15,12 @@ import torch
 
 from megatron_dynamo.models.checkpoint_io.formats import CHECKPOINT_MODEL_DIR, CheckpointError
 from megatron_dynamo.models.checkpoint_io.safe_pickle import reading_checkpoint
+from megatron_dynamo.models.mappings import unwrap_model
 
 
 def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
     """The sharded state dict of this rank's model chunks: ``{"model": ...}`` or ``{"model0": ..., ...}`` with
     virtual pipeline stages (Megatron's own convention; keys inside are global, so any layout can load it)."""
-    from megatron_dynamo.models.mappings import unwrap_model
-
     if len(chunks) == 1:
         return {"model": unwrap_model(chunks[0]).sharded_state_dict()}
     return {f"model{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
@@ -99,8 +98,6 @@ def _stage_for_writing(sharded: dict[str, Any], chunks: Sequence[torch.nn.Module
     The chunks are unusable afterwards.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    from megatron_dynamo.models.mappings import unwrap_model
 
     params_by_ptr = {}
     for chunk in chunks:
@@ -253,8 +250,6 @@ def load_model_checkpoint(chunks: Sequence[torch.nn.Module], directory: str | os
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    from megatron_dynamo.models.mappings import unwrap_model
 
     directory = Path(directory)
     model_dir = directory / CHECKPOINT_MODEL_DIR if (directory / CHECKPOINT_MODEL_DIR).is_dir() else directory

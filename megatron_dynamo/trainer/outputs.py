@@ -1,5 +1,5 @@
-"""The sections of a run's configuration that say what it writes: checkpoints, evaluation during training and
-logs (``trainer/config.py`` assembles the whole configuration; ``docs/reference/config.md`` lists every key)."""
+"""What a run writes, and when: the checkpoint, evaluation and logging sections of its configuration
+(``trainer/config.py`` assembles the whole configuration; ``docs/reference/config.md`` lists every key)."""
 
 from __future__ import annotations
 
