@@ -45,7 +45,7 @@ def _on_ranks(rank, world_size, args, model_dir, max_len, out_dir):
 
     from megatron_dynamo.eval.runner import evaluate
     from megatron_dynamo.reward.math_reward import MathRewardScorer
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
     from megatron_dynamo.rollout.vllm_engine import VLLMEngine
 
     layout = EngineLayout.of_process(args.tp)

@@ -41,7 +41,6 @@ PRODUCT = ("megatron_dynamo", "checkpoints_convert")
 LONG_FUNCTIONS: dict[str, int] = {
     "megatron_dynamo/commands/ablate.py:run": 192,
     "megatron_dynamo/commands/ablate_runs.py:execute": 123,
-    "megatron_dynamo/commands/eval.py:run": 111,
     "megatron_dynamo/models/export.py:iter_hf_weights": 108,
     "megatron_dynamo/eval/runner.py:evaluate": 100,
     "megatron_dynamo/commands/compare.py:run": 90,

@@ -100,7 +100,7 @@ def test_the_trainer_scores_with_the_runs_reward_limits(monkeypatch, tmp_path):
 
     from megatron_dynamo.config import ConfigError
     from megatron_dynamo.reward import math_reward
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.rollout_setup import create_scorer
 

@@ -127,7 +127,7 @@ def _built_trainer(monkeypatch, tmp_path, overrides, rank=0):
     replaced by stand-ins (the stop set is computed before any of them is used)."""
     from types import SimpleNamespace
 
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
     from megatron_dynamo.trainer import actor as actor_module
     from megatron_dynamo.trainer import rollout_setup
     from megatron_dynamo.trainer.config import load_run_config

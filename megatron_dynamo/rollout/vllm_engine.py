@@ -3,7 +3,7 @@
 Every training rank hosts a vLLM worker in its own process (vLLM's ``distributed_executor_backend=
 "external_launcher"``, engine core in process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). vLLM reuses the trainer's
 torch.distributed group and makes each run of ``tensor_parallel_size`` consecutive ranks one engine, so a world of W
-ranks runs W / tensor_parallel_size engines side by side (:class:`~megatron_dynamo.rollout.sharding.EngineLayout`).
+ranks runs W / tensor_parallel_size engines side by side (:class:`~megatron_dynamo.parallel.topology.EngineLayout`).
 Rules that follow from it:
 
 - Every rank builds its engine together with the others (vLLM creates groups and agrees on free memory), and the
@@ -60,10 +60,10 @@ from typing import Any, Sequence
 
 import torch
 
+from megatron_dynamo.parallel.topology import EngineLayout
 from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResponse, NamedTensors, SamplingConfig,
                                                WeightUpdateStats, check_requests, check_responses, register_engine,
                                                request_seed)
-from megatron_dynamo.rollout.sharding import EngineLayout
 from megatron_dynamo.rollout.vllm_setup import (DTYPE_NAMES, ENGINE_START_VARIABLES, VLLMEngineConfig,  # noqa: F401
                                                 VLLMNotAvailableError, import_vllm, launch_environment,
                                                 quiet_reload_records_of_buffer_only_layers, rng_states,

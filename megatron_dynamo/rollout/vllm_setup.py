@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES, free_port, local_rank
-from megatron_dynamo.rollout.sharding import EngineLayout
+from megatron_dynamo.parallel.topology import EngineLayout
 
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}

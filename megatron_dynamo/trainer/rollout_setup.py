@@ -15,7 +15,19 @@ from typing import Any, Callable, ContextManager
 import torch
 import torch.distributed as dist
 
+from megatron_dynamo.data.prompt_length import fitting_examples, prompt_token_lengths
+from megatron_dynamo.data.stopping import GenerationConfigError, copy_generation_config, stop_token_ids
+from megatron_dynamo.data.tokenizer import build_char_tokenizer
+from megatron_dynamo.eval.runner import EvalError, evaluate, summary_metrics
+from megatron_dynamo.models.checkpoint_dirs import step_dir_name
+from megatron_dynamo.models.checkpoint_io import HFCheckpointReader, is_model_checkpoint
+from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
+from megatron_dynamo.rollout.interface import SamplingConfig, create_engine as create
+from megatron_dynamo.rollout.kv_cache import kv_cache_size
+from megatron_dynamo.trainer.config import eval_config
 from megatron_dynamo.trainer.errors import TrainingError
+from megatron_dynamo.trainer.preflight import load_examples
+
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +36,6 @@ def build_tokenizer(run, output_dir: Path):
     """The run's tokenizer, saved under ``<output_dir>/tokenizer`` (the rollout engine loads it from there)."""
     target = output_dir / "tokenizer"
     if run.model.tokenizer == "char":
-        from megatron_dynamo.data.tokenizer import build_char_tokenizer
-
         return build_char_tokenizer(str(target))
     from transformers import AutoTokenizer
 
@@ -38,7 +48,6 @@ def hf_weight_source(path: str | None):
     """A tensor getter for an HF model directory, or None (random init / Megatron checkpoint)."""
     if path is None:
         return None
-    from megatron_dynamo.models.checkpoint_io import HFCheckpointReader, is_model_checkpoint
 
     if is_model_checkpoint(path):
         return None
@@ -48,11 +57,8 @@ def hf_weight_source(path: str | None):
 def training_examples(run, tokenizer) -> list:
     """The run's training prompts (long ones left out under ``data.prompt_overflow: drop``); refuses a data set
     smaller than one step (one round of dynamic sampling)."""
-    from megatron_dynamo.trainer.preflight import load_examples
-
     examples = load_examples(run)
     if run.data.prompt_overflow == "drop":  # long prompts left out (the launcher's preflight accepted the share)
-        from megatron_dynamo.data.prompt_length import fitting_examples, prompt_token_lengths
 
         examples = fitting_examples(examples, prompt_token_lengths(examples, tokenizer, run.data.template),
                                     run.data.max_prompt_tokens)
@@ -69,11 +75,6 @@ def sampling_config(run, tokenizer, generation_config_to: Path | None = None):
     model's generation_config.json end tokens (its HF directory, a Megatron checkpoint's hf/, the tokenizer
     directory) and the template's end of turn. ``generation_config_to``: copy the generation config there (saved
     checkpoints and the exported model carry it from the tokenizer directory)."""
-    from megatron_dynamo.data.stopping import GenerationConfigError, copy_generation_config, stop_token_ids
-    from megatron_dynamo.rollout.interface import SamplingConfig
-
-    from megatron_dynamo.models.checkpoint_io import is_model_checkpoint
-
     model_dirs = [run.model.tokenizer]
     if run.model.checkpoint:  # an HF directory, or a Megatron checkpoint with its hf/
         checkpoint = run.model.checkpoint
@@ -98,9 +99,6 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
     group form one), started from the run's tokenizer and model config with random weights: the trainer's are
     loaded before the first rollout (no model file is written). The default group's rank 0 writes ``model_dir``.
     ``sleep_mode``: the engine sleeps while the trainer updates (colocated engines)."""
-    from megatron_dynamo.rollout.interface import create_engine as create
-    from megatron_dynamo.rollout.kv_cache import kv_cache_size
-
     if dist.get_rank() == 0:
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -124,7 +122,6 @@ def create_scorer(run, engine):
     limits."""
     if not engine.layout.is_leader:
         return None
-    from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
 
     reward = run.reward
     return MathRewardScorer(reward_workers_per_scorer(engine.layout.tensor_parallel), reward.timeout_seconds,
@@ -136,10 +133,6 @@ def evaluate_on_engines(run, engine, tokenizer, scorer, sampling, step: int, out
     """Collective over the engines' ranks: the periodic benchmark evaluation of the engines' current weights (those
     of ``step``); rank 0 of the group writes ``<output_dir>/eval/step_<N>`` (a resumed run finishes an interrupted
     one there) and gets the metrics, the others ``{}``."""
-    from megatron_dynamo.eval.runner import EvalError, evaluate, summary_metrics
-    from megatron_dynamo.models.checkpoint_dirs import step_dir_name
-    from megatron_dynamo.trainer.config import eval_config
-
     start = time.perf_counter()
     config = eval_config(run, stop_token_ids=sampling.stop_token_ids)
     try:
