@@ -165,7 +165,7 @@ def evaluate_on_rank(rank: int, world_size: int, job: EvalJob):
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
     scorer = (MathRewardScorer(num_workers=workers, timeout_seconds=job.reward_timeout) if layout.is_leader
               else nullcontext())
-    with scorer, VLLMEngine(job.hf_dir, tokenizer=job.tokenizer_dir, tensor_parallel_size=tensor_parallel,
+    with scorer, VLLMEngine(job.hf_dir, tokenizer=job.tokenizer_dir, tensor_parallel=tensor_parallel,
                             dtype=job.dtype, max_model_len=job.max_model_len, seed=job.seed,
                             gpu_memory_utilization=job.gpu_memory_utilization) as engine:
         summary = evaluate(engine, tokenizer, scorer if layout.is_leader else None, job.config, job.output,

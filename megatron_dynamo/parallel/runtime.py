@@ -57,8 +57,8 @@ class ParallelConfig:
     def validate(self, world_size: int | None = None) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
             check_at_least_one(f"parallel.{name}", getattr(self, name))
-        if self.virtual_pipeline_parallel is not None and self.virtual_pipeline_parallel < 1:
-            raise ValueError("parallel.virtual_pipeline_parallel must be None or >= 1")
+        if self.virtual_pipeline_parallel is not None:  # null: one model chunk per stage
+            check_at_least_one("parallel.virtual_pipeline_parallel", self.virtual_pipeline_parallel)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("parallel.sequence_parallel needs tensor_parallel > 1")
         if self.context_parallel > 1:

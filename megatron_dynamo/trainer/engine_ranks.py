@@ -64,7 +64,7 @@ class EngineRanks:
         self.sampling = sampling_config(run, self.tokenizer)
         self.engine = create_engine(run, self.model_dir, hf_config, self.tokenizer, self.max_model_len,
                                     sleep_mode=False)
-        self.scorer = create_scorer(run, self.engine)
+        self.scorer = create_scorer(run.reward, self.engine)
         self.producer = RolloutProducer(run, self.examples, self.engine, self.scorer, self.sampler, self.history,
                                         self.tokenizer, self.sampling)
 

@@ -19,7 +19,6 @@ from megatron_dynamo.data.dataset import (DatasetNotAvailableError, GENERATED_TA
                                           load_math_jsonl, resolve_dataset_path)
 from megatron_dynamo.data.prompt_length import (PromptLengthReport, check_prompt_overflow, fitting_examples,
                                                 prompt_token_lengths)
-from megatron_dynamo.data.tokenizer import build_char_tokenizer
 from megatron_dynamo.models.checkpoint_io import (CheckpointError, TOKENIZER_FILES, is_model_checkpoint,
                                                   read_checkpoint_info)
 from megatron_dynamo.models.checkpoint_io.signing import CheckpointKeyError, signing_key
@@ -163,9 +162,12 @@ def _check_signing_key() -> None:
 
 
 def _tokenizer(run: RunConfig):
+    # Here, not at the top: data.tokenizer imports transformers (~0.9 s), and `dynamo --help` imports this module.
+    from megatron_dynamo.data.tokenizer import build_char_tokenizer
+    from transformers import AutoTokenizer
+
     if run.model.tokenizer == "char":
         return build_char_tokenizer()
-    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(run.model.tokenizer)
 

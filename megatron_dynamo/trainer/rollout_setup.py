@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from megatron_dynamo.data.prompt_length import fitting_examples, prompt_token_lengths
 from megatron_dynamo.data.stopping import GenerationConfigError, copy_generation_config, stop_token_ids
-from megatron_dynamo.data.tokenizer import build_char_tokenizer
 from megatron_dynamo.eval.runner import EvalError, evaluate, summary_metrics
 from megatron_dynamo.models.checkpoint_dirs import step_dir_name
 from megatron_dynamo.models.checkpoint_io import HFCheckpointReader, is_model_checkpoint
@@ -35,9 +34,12 @@ log = logging.getLogger(__name__)
 def build_tokenizer(run, output_dir: Path):
     """The run's tokenizer, saved under ``<output_dir>/tokenizer`` (the rollout engine loads it from there)."""
     target = output_dir / "tokenizer"
+    # Here, not at the top: data.tokenizer imports transformers (~0.9 s), and `dynamo --help` imports this module.
+    from megatron_dynamo.data.tokenizer import build_char_tokenizer
+    from transformers import AutoTokenizer
+
     if run.model.tokenizer == "char":
         return build_char_tokenizer(str(target))
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(run.model.tokenizer)
     tokenizer.save_pretrained(str(target))
@@ -106,7 +108,7 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
     dist.barrier()
     gpu = torch.cuda.is_available()
     dtype = rollout_dtype(run)
-    return create(run.rollout.engine, model=str(model_dir), tensor_parallel_size=run.rollout.tensor_parallel,
+    return create(run.rollout.engine, model=str(model_dir), tensor_parallel=run.rollout.tensor_parallel,
                   dtype="bfloat16" if dtype == torch.bfloat16 else "float32", max_model_len=max_model_len,
                   seed=run.trainer.seed, gpu_memory_utilization=run.rollout.gpu_memory_utilization,
                   enable_sleep_mode=sleep_mode and run.rollout.sleep_during_training and gpu,
@@ -117,13 +119,11 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
                   engine_kwargs={"load_format": "dummy"})
 
 
-def create_scorer(run, engine):
+def create_scorer(reward, engine):
     """The reward scorer of an engine leader (None on the engine's other ranks), with the ``reward`` section's
     limits."""
     if not engine.layout.is_leader:
         return None
-
-    reward = run.reward
     return MathRewardScorer(reward_workers_per_scorer(engine.layout.tensor_parallel), reward.timeout_seconds,
                             max_batch_seconds=reward.batch_seconds or None, worker_memory_mb=reward.worker_memory_mb)
 
