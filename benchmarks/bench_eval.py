@@ -45,14 +45,14 @@ def _on_ranks(rank, world_size, args, model_dir, max_len, out_dir):
 
     from megatron_dynamo.eval.runner import evaluate
     from megatron_dynamo.reward.math_reward import MathRewardScorer
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
     from megatron_dynamo.rollout.vllm_engine import VLLMEngine
 
     layout = EngineLayout.of_process(args.tp)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workers = max(1, 2 // layout.num_engines)
     with (MathRewardScorer(num_workers=workers) if layout.is_leader else contextlib.nullcontext()) as scorer, \
-            VLLMEngine(model_dir, tensor_parallel_size=args.tp, max_model_len=max_len, seed=0,
+            VLLMEngine(model_dir, tensor_parallel=args.tp, max_model_len=max_len, seed=0,
                        engine_kwargs={"load_format": "dummy"}) as engine:
         evaluate(engine, tokenizer, scorer, _config(args, 1, args.problems_per_batch), os.path.join(out_dir, "warm"),
                  progress=False)
@@ -102,7 +102,7 @@ def main() -> None:
         tokenizer = build_char_tokenizer(model_dir)
         rows = []
         with MathRewardScorer(num_workers=2) as scorer, \
-                VLLMEngine(model_dir, tensor_parallel_size=args.tp, max_model_len=config["max_position_embeddings"],
+                VLLMEngine(model_dir, tensor_parallel=args.tp, max_model_len=config["max_position_embeddings"],
                            seed=0, engine_kwargs={"load_format": "dummy"}) as engine:
             evaluate(engine, tokenizer, scorer, _config(args, 1, 64), os.path.join(tmp, "warm"), progress=False)
             for mode, per_batch in (("one problem per call (baseline)", 1),

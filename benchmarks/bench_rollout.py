@@ -104,7 +104,7 @@ def bench_rollout(rank: int, world_size: int, args, tmp: str) -> dict:
                 for ex, n in zip(examples, counts)]
     sampling = SamplingConfig(max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     t0 = time.perf_counter()
-    engine = VLLMEngine(model_dir, max_model_len=256, tensor_parallel_size=world_size)
+    engine = VLLMEngine(model_dir, max_model_len=256, tensor_parallel=world_size)
     startup = time.perf_counter() - t0
     try:
         engine.generate(requests[:2], sampling, step=0)  # warm-up
@@ -135,7 +135,7 @@ def bench_weight_sync(rank: int, world_size: int, args, tmp: str) -> dict:
     exported = sum(t.numel() * t.element_size() for _, t in iter_hf_weights(actor.chunks, actor.arch,
                                                                             dtype=torch.float32))
     rows["export only (iter_hf_weights)"] = (exported, time.perf_counter() - t0)
-    engine = VLLMEngine(model_dir, max_model_len=512, tensor_parallel_size=world_size,
+    engine = VLLMEngine(model_dir, max_model_len=512, tensor_parallel=world_size,
                         engine_kwargs={"load_format": "dummy"})
     startup = engine.startup_seconds
     try:

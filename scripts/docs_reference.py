@@ -69,7 +69,7 @@ def choices() -> dict[str, tuple]:
     from megatron_dynamo.algorithms.losses import registered_policy_losses
     from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
     from megatron_dynamo.data.templates import list_templates
-    from megatron_dynamo.parallel.placement import PLACEMENTS
+    from megatron_dynamo.parallel.topology import PLACEMENTS
     from megatron_dynamo.rollout.interface import registered_engines
     from megatron_dynamo.trainer.config import DTYPES, PACK_SEQUENCES
     from megatron_dynamo.trainer.outputs import WANDB_MODES

@@ -137,7 +137,7 @@ def _collective_worker(rank, world_size, data_dir, out_root):
     """Every rank evaluates with its engine: two engines of one rank, then one engine of two ranks (a scorer on its
     leader only), each interrupted after its first batch and resumed; then a settings error on every rank."""
     from megatron_dynamo.reward.math_reward import MathRewardScorer
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
 
     config = _fake_config(data_dir)
     results = {}
@@ -426,10 +426,10 @@ def test_dynamo_eval_rejects_bad_input_before_loading_a_model(tmp_path, capsys, 
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert main(["eval", "--checkpoint", str(tmp_path / "missing"), "--nproc", "3", "--tensor-parallel", "2"]) == 2
-    assert capsys.readouterr().err.strip() == ("dynamo eval: --tensor-parallel 2 does not divide --nproc 3: every "
-                                               "rank hosts one vLLM worker, in engines of tensor-parallel ranks")
+    assert capsys.readouterr().err.strip() == ("dynamo eval: --tensor-parallel=2 does not divide --nproc 3 (every "
+                                               "rank hosts one vLLM worker, in engines of --tensor-parallel ranks)")
     assert main(["eval", "--checkpoint", str(tmp_path), "--nproc", "0"]) == 2
-    assert "--nproc must be >= 1" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == "dynamo eval: --nproc: must be >= 1, got 0"
     assert main(["eval", "--checkpoint", str(tmp_path / "missing")]) == 2
     assert "no such directory" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(tmp_path), "--n", "4", "--k", "8"]) == 2

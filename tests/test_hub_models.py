@@ -245,7 +245,7 @@ def _trainer_worker(rank, world_size, output_dir):
     math_reward.MathRewardScorer = lambda *args, **kwargs: None
     from types import SimpleNamespace
 
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
 
     Trainer._build_engine = lambda self: SimpleNamespace(layout=EngineLayout(0, 1, 1), close=lambda: None)
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={output_dir}", "model.config=null",

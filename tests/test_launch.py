@@ -80,7 +80,7 @@ def test_recipe_yaml_has_table3_settings_and_a_layout_that_fits(name):
 def test_layout_errors_are_caught_before_submission():
     run = load_run_config(str(ROOT / "configs/qwen3-14b.yaml"))
     assert check_layout(run, 1, 8).data_parallel == 1
-    with pytest.raises(ConfigError, match="not divisible"):
+    with pytest.raises(ConfigError, match="= 8 does not divide world size 4 "):
         check_layout(run, 1, 4)
     with pytest.raises(ConfigError, match="rollout.tensor_parallel"):
         check_layout(load_run_config(str(ROOT / "configs/qwen2.5-math-1.5b.yaml")), 2, 1)
@@ -106,7 +106,6 @@ def test_site_roots_rebase_the_yaml_paths_and_explicit_overrides_win(monkeypatch
 # ---------------------------------------------------------------------------------------------- entry points
 def test_entry_train_runs_the_train_command_path_with_resume(monkeypatch, capsys):
     import megatron_dynamo.launch.ranks as ranks
-    import megatron_dynamo.trainer.preflight as preflight
 
     calls = []
     monkeypatch.setattr(ranks, "train_on_rank", lambda *args: calls.append(args))
@@ -118,10 +117,11 @@ def test_entry_train_runs_the_train_command_path_with_resume(monkeypatch, capsys
         entry.train(cfg, algo="grpo")
     assert exit_info.value.code == 2 and "model.checkpoint" in capsys.readouterr().err
     assert not calls
-    monkeypatch.setattr(preflight, "check_run_inputs", lambda run: run)  # as if the cluster's files were there
+    monkeypatch.setattr(entry, "check_run_inputs", lambda run: run)  # as if the cluster's files were there
     entry.train(cfg, algo="grpo")
-    ((rank, world, run, resume),) = calls
+    ((rank, world, topology, run, resume),) = calls
     assert (rank, world, resume) == (3, 16, True)
+    assert (topology.world_size, topology.parallel.data_parallel, topology.rollout.num_engines) == (16, 2, 8)
     assert not run.dynamo.allocation.enabled and not run.dynamo.modulation.gc and not run.dynamo.modulation.ums
     bad = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, mini_batch_prompts=33))
     with pytest.raises(SystemExit) as exit_info:

@@ -95,7 +95,8 @@ def test_the_schedule_generates_each_batch_with_weights_at_most_k_steps_old(k, s
     (["rollout.placement=separate"], "rollout.engine_ranks: must be >= 1 with placement separate"),
     (["rollout.engine_ranks=1"], "rollout.engine_ranks: must be 0 with placement colocated"),
     (["rollout.placement=separate", "rollout.engine_ranks=3", "rollout.tensor_parallel=2"],
-     "rollout.engine_ranks: must be a multiple of tensor_parallel (2"),
+     "rollout.tensor_parallel=2 does not divide rollout.engine_ranks=3 (every rank hosts one vLLM worker, in "
+     "engines of rollout.tensor_parallel ranks)"),
     (["rollout.placement=elsewhere"], "rollout.placement: must be one of"),
 ])
 def test_bad_placement_settings_are_one_line_errors(overrides, message):
@@ -106,23 +107,26 @@ def test_bad_placement_settings_are_one_line_errors(overrides, message):
 @pytest.mark.parametrize("world,overrides,message", [
     (2, ["rollout.engine_ranks=2"], "must leave at least one of the job's 2 ranks to train"),
     (3, ["rollout.engine_ranks=1", "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
-     "the 2 training ranks (3 ranks minus rollout.engine_ranks=1) are not divisible by"),
+     "parallel.tensor_parallel x pipeline_parallel x context_parallel = 4 does not divide the 2 training ranks (3 "
+     "ranks minus rollout.engine_ranks=1)"),
 ])
 def test_a_job_too_small_for_its_placement_is_refused_before_any_rank(world, overrides, message):
-    from megatron_dynamo.trainer.preflight import check_run_inputs
+    from megatron_dynamo.launch.ranks import resolve_topology
 
     run = load_run_config(CPU_DEFAULT, ["rollout.placement=separate", *overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_run_inputs(run, world_size=world)
+        resolve_topology(run, world)
 
 
 # ---------------------------------------------------------------------------------------------- messages
 def _channel_worker(rank, world_size):
     """Ranks 0-1 train, 2-3 generate: every message kind both ways, and a failure report."""
-    from megatron_dynamo.parallel.placement import Placement, join_job, job_rank
+    from megatron_dynamo.parallel.placement import join_job, job_rank
+    from megatron_dynamo.parallel.topology import EngineLayout, JobTopology, TrainingLayout
     from megatron_dynamo.rollout import channel
 
-    groups = join_job(Placement(world_size, 2), rank, "127.0.0.1", int(os.environ["MASTER_PORT"]))
+    topology = JobTopology(world_size, TrainingLayout(world_size - 2), EngineLayout(0, 2, 1))
+    groups = join_job(topology, rank, "127.0.0.1", int(os.environ["MASTER_PORT"]))
     weights = [("model.embed_tokens.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7),
                ("model.norm.weight", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
                ("scalar", torch.tensor(3.25, dtype=torch.float64))]
@@ -300,7 +304,7 @@ def test_a_stop_signal_keeps_the_batch_in_flight_and_the_resumed_run_is_the_same
 
 def _failing_engine_worker(rank, world_size, output_dir):
     """A separate job whose engine rank fails while generating batch 2."""
-    from megatron_dynamo.launch.ranks import join_role_world
+    from megatron_dynamo.launch.ranks import join_role_world, resolve_topology
     from megatron_dynamo.trainer import engine_ranks
     from megatron_dynamo.trainer.rollout_producer import RolloutProducer
     from megatron_dynamo.trainer.trainer import Trainer
@@ -308,7 +312,7 @@ def _failing_engine_worker(rank, world_size, output_dir):
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={output_dir}", *SMALL, "trainer.steps=3",
                                         "rollout.placement=separate", "rollout.engine_ranks=1",
                                         "rollout.max_staleness=1", "logging.tensorboard=false"])
-    groups = join_role_world(run, rank, world_size)
+    groups = join_role_world(resolve_topology(run), rank)
     if groups.role == "engine":
         real = RolloutProducer.generate
 

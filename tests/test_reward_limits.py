@@ -99,20 +99,20 @@ def test_the_trainer_scores_with_the_runs_reward_limits(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     from megatron_dynamo.config import ConfigError
-    from megatron_dynamo.reward import math_reward
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
+    from megatron_dynamo.trainer import rollout_setup
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.rollout_setup import create_scorer
 
     made = []
-    monkeypatch.setattr(math_reward, "MathRewardScorer", lambda *args, **kwargs: made.append((args, kwargs)))
+    monkeypatch.setattr(rollout_setup, "MathRewardScorer", lambda *args, **kwargs: made.append((args, kwargs)))
     leader, follower = SimpleNamespace(layout=EngineLayout(0, 2, 2)), SimpleNamespace(layout=EngineLayout(1, 2, 2))
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "cpu_default.yaml")
     for overrides, budget in (([], 600.0), (["reward.batch_seconds=0", "reward.timeout_seconds=3"], None)):
         run = load_run_config(config, [f"trainer.output_dir={tmp_path / 'run'}", "reward.worker_memory_mb=512",
                                        *overrides])
-        assert create_scorer(run, follower) is None and not made
-        create_scorer(run, leader)
+        assert create_scorer(run.reward, follower) is None and not made
+        create_scorer(run.reward, leader)
         args, kwargs = made.pop()
         assert args[1] == run.reward.timeout_seconds
         assert kwargs == {"max_batch_seconds": budget, "worker_memory_mb": 512}

@@ -410,7 +410,7 @@ def _colocated_worker(rank, world_size, model_dir, tp, requests, sampling):
 
     runtime.init_distributed(runtime.ParallelConfig(), seed=1234)  # Megatron TP=1: each rank holds the whole model
     actor = MegatronActor(TINY_QWEN2, optim=None, hf_weights=hf_state_dict(TINY_QWEN2, seed=1).__getitem__)
-    engine = VLLMEngine(model_dir, tensor_parallel_size=tp, max_model_len=256, max_num_batched_tokens=256,
+    engine = VLLMEngine(model_dir, tensor_parallel=tp, max_model_len=256, max_num_batched_tokens=256,
                         cpu_kvcache_space_gb=1, seed=0, engine_kwargs={"block_size": 32})
     try:
         layout = engine.layout

@@ -46,7 +46,7 @@ def test_first_slurm_host(nodelist, first):
 
 @pytest.mark.parametrize("cfg,world,msg", [
     (ParallelConfig(tensor_parallel=0), 1, "tensor_parallel"),
-    (ParallelConfig(tensor_parallel=2, pipeline_parallel=2), 6, "not divisible"),
+    (ParallelConfig(tensor_parallel=2, pipeline_parallel=2), 6, "= 4 does not divide world size 6"),
     (ParallelConfig(sequence_parallel=True), 1, "sequence_parallel"),
     # Accepted before, and then trained on unsplit sequences in every context-parallel rank.
     (ParallelConfig(context_parallel=2), 2, "context_parallel > 1 is not supported yet"),

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dynamo.rollout.sharding import EngineLayout, assign_to_engines, engine_loads, request_loads
+from megatron_dynamo.parallel.topology import EngineLayout
+from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
 
 
 def test_layout_groups_consecutive_ranks():

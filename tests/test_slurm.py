@@ -282,7 +282,7 @@ PROBE = """
 import os
 from megatron_dynamo.parallel import runtime
 from megatron_dynamo.rollout import vllm_setup
-from megatron_dynamo.rollout.sharding import EngineLayout
+from megatron_dynamo.parallel.topology import EngineLayout
 kind = runtime.launcher()
 info = runtime.init_distributed()
 os.environ.pop("LOCAL_RANK", None)

@@ -127,7 +127,7 @@ def _built_trainer(monkeypatch, tmp_path, overrides, rank=0):
     replaced by stand-ins (the stop set is computed before any of them is used)."""
     from types import SimpleNamespace
 
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
     from megatron_dynamo.trainer import trainer as trainer_module
     from megatron_dynamo.trainer.config import load_run_config
     from megatron_dynamo.trainer.trainer import Trainer, build_tokenizer
@@ -201,10 +201,9 @@ def test_dynamo_eval_stops_where_training_stops(monkeypatch, tmp_path, capsys):
     """`dynamo eval` hands the engine the stop set of the evaluated model's directory and template (the engine,
     the scorer and the evaluation itself are stand-ins here; test_eval.py runs them for real)."""
     from megatron_dynamo.cli import main
+    from megatron_dynamo.commands import eval as eval_command
     from megatron_dynamo.eval import runner
     from megatron_dynamo.eval.model_source import prepare_model
-    from megatron_dynamo.reward import math_reward
-    from megatron_dynamo.rollout import vllm_engine
 
     model = _hf_model_dir(tmp_path / "model", None)
     tokenizer = qwen_like_tokenizer(model, generation_eos=["<|im_end|>", "<|endoftext|>"])
@@ -229,9 +228,9 @@ def test_dynamo_eval_stops_where_training_stops(monkeypatch, tmp_path, capsys):
         seen["config"] = config
         raise runner.EvalError("stand-in evaluation")
 
-    monkeypatch.setattr(vllm_engine, "VLLMEngine", Stand)
-    monkeypatch.setattr(math_reward, "MathRewardScorer", Stand)
-    monkeypatch.setattr(runner, "evaluate", fake_evaluate)
+    monkeypatch.setattr(eval_command, "VLLMEngine", Stand)
+    monkeypatch.setattr(eval_command, "MathRewardScorer", Stand)
+    monkeypatch.setattr(eval_command, "evaluate", fake_evaluate)
     args = ["eval", "--checkpoint", str(model), "--benchmarks", str(bench), "--output", str(tmp_path / "out"),
             "--n", "1"]
     assert main(args) == 2 and "stand-in evaluation" in capsys.readouterr().err

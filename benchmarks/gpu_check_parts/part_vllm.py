@@ -58,7 +58,7 @@ def start_engine(model_dir: Path, dtype: str, max_len: int, ctx: Ctx, **kwargs):
     from megatron_dynamo.rollout import VLLMEngine
 
     kwargs.setdefault("enable_sleep_mode", False)
-    return VLLMEngine(str(model_dir), tensor_parallel_size=1, dtype="bfloat16" if dtype == "bf16" else "float32",
+    return VLLMEngine(str(model_dir), tensor_parallel=1, dtype="bfloat16" if dtype == "bf16" else "float32",
                       max_model_len=max_len, seed=0, gpu_memory_utilization=kwargs.pop("gpu_memory_utilization", 0.3),
                       engine_kwargs={"load_format": "dummy"}, **kwargs)
 

@@ -34,19 +34,29 @@ import datetime
 import json
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_dynamo.commands.eval_output import (
-    checkpoint_key,
-    default_output,
-    finished_evaluation,
-    forget_results,
-    other_model,
-    record_finished,
-)
-from megatron_dynamo.data.dataset import BENCHMARKS
+import torch
+import torch.distributed as dist
+
+from megatron_dynamo import library_logs
+from megatron_dynamo.commands.eval_output import (checkpoint_key, default_output, finished_evaluation, forget_results,
+                                                  other_model, record_finished)
+from megatron_dynamo.cpus import threads_per_rank
+from megatron_dynamo.data.dataset import BENCHMARKS, DatasetNotAvailableError
+from megatron_dynamo.eval.model_source import prepare_model, resolve_checkpoint
+from megatron_dynamo.eval.runner import EvalConfig, EvalError, evaluate, format_table, load_benchmarks
+from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
+from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
+from megatron_dynamo.parallel.process_guard import start_guard
+from megatron_dynamo.parallel.runtime import detect_launch, launched_externally
+from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
+from megatron_dynamo.parallel.topology import JobTopology, check_at_least_one
+from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
+from megatron_dynamo.rollout.vllm_engine import VLLMEngine, VLLMNotAvailableError
 
 
 def _csv(text: str) -> list[str]:
@@ -110,8 +120,6 @@ def add_arguments(parser) -> None:
 
 
 def _eval_config(args, template: str):
-    from megatron_dynamo.eval.runner import EvalConfig
-
     benchmarks = list(BENCHMARKS) if args.benchmarks == "all" else _csv(args.benchmarks)
     ks = [int(k) for k in _csv(args.k)] if args.k else [args.n]
     config = EvalConfig(benchmarks=tuple(benchmarks), n=args.n, k=tuple(ks), temperature=args.temperature,
@@ -122,14 +130,6 @@ def _eval_config(args, template: str):
     return config
 
 
-def _external_rank() -> tuple[int, int]:
-    """(rank, world size) under torchrun / srun."""
-    from megatron_dynamo.parallel.runtime import detect_launch
-
-    launch = detect_launch()
-    return launch.rank, launch.world_size
-
-
 @dataclass(frozen=True)
 class EvalJob:
     """What every rank needs to evaluate (picklable: it goes to spawned ranks)."""
@@ -137,11 +137,11 @@ class EvalJob:
     hf_dir: str
     converted: bool  # a Megatron checkpoint converted to hf_dir
     tokenizer_dir: str
-    config: Any  # EvalConfig
+    config: EvalConfig
     output: str
     model: str
     max_model_len: int
-    tensor_parallel: int
+    topology: JobTopology
     dtype: str | None
     gpu_memory_utilization: float
     seed: int
@@ -155,24 +155,17 @@ def evaluate_on_rank(rank: int, world_size: int, job: EvalJob):
     """One rank's part of ``dynamo eval``: its engine (collective with the other ranks), a scorer on the engines'
     leaders, the collective evaluation, the engine closed last (that ends the process group). Rank 0 returns the
     summary, the others None. Without a process group (one process) vLLM starts its own."""
-    from contextlib import nullcontext
-
-    from transformers import AutoTokenizer
-
-    from megatron_dynamo import library_logs
-    from megatron_dynamo.eval.runner import evaluate
-    from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
-    from megatron_dynamo.rollout.sharding import EngineLayout
-    from megatron_dynamo.rollout.vllm_engine import VLLMEngine
+    from transformers import AutoTokenizer  # the tokenizer library: only where a model is evaluated
 
     library_logs.apply(job.verbose)
-    layout = EngineLayout.of_process(job.tensor_parallel)
+    tensor_parallel = job.topology.rollout.tensor_parallel
+    layout = job.topology.engine_layout(rank)
     # Unless given: the node's cores shared by its engines' scorers (the scorer's own default with one engine).
-    workers = job.reward_workers if job.reward_workers is not None else reward_workers_per_scorer(job.tensor_parallel)
+    workers = job.reward_workers if job.reward_workers is not None else reward_workers_per_scorer(tensor_parallel)
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
     scorer = (MathRewardScorer(num_workers=workers, timeout_seconds=job.reward_timeout) if layout.is_leader
               else nullcontext())
-    with scorer, VLLMEngine(job.hf_dir, tokenizer=job.tokenizer_dir, tensor_parallel_size=job.tensor_parallel,
+    with scorer, VLLMEngine(job.hf_dir, tokenizer=job.tokenizer_dir, tensor_parallel=tensor_parallel,
                             dtype=job.dtype, max_model_len=job.max_model_len, seed=job.seed,
                             gpu_memory_utilization=job.gpu_memory_utilization) as engine:
         summary = evaluate(engine, tokenizer, scorer if layout.is_leader else None, job.config, job.output,
@@ -183,11 +176,6 @@ def evaluate_on_rank(rank: int, world_size: int, job: EvalJob):
 def _init_external_group() -> None:
     """Under torchrun / srun: this process's rank of the job's process group (NCCL with one GPU per rank, gloo on
     CPU). A long timeout: the other ranks wait while rank 0 converts a Megatron checkpoint."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_dynamo.parallel.runtime import detect_launch
-
     if dist.is_initialized():
         return
     launch = detect_launch()
@@ -197,8 +185,6 @@ def _init_external_group() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     else:  # share the cores between the ranks of this machine
-        from megatron_dynamo.cpus import threads_per_rank
-
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
         torch.set_num_threads(threads_per_rank(local))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=launch.rank,
@@ -207,48 +193,44 @@ def _init_external_group() -> None:
                             timeout=datetime.timedelta(hours=2))
 
 
-def run(args) -> int:
-    from megatron_dynamo import library_logs
-    from megatron_dynamo.parallel import runtime
+def _topology(args, external: bool) -> JobTopology:
+    """The ranks (torchrun/srun's, else --nproc) in engines of --tensor-parallel: checked before anything loads."""
+    world = detect_launch().world_size if external else (args.nproc if args.nproc is not None else 1)
+    check_at_least_one("--nproc", world)
+    named = f"the {world} ranks of this torchrun/srun job" if external else f"--nproc {world}"
+    return JobTopology.engines_only(world, args.tensor_parallel, named, "--tensor-parallel")
 
+
+def _check_inputs(args) -> tuple[EvalConfig, Any]:
+    """Everything that can be checked without a model: the settings, the checkpoint path, the benchmark files."""
+    if args.k is not None and not _csv(args.k):
+        raise ValueError("--k is empty")
+    config = _eval_config(args, args.template or "qwen_math_boxed")
+    source = resolve_checkpoint(args.checkpoint)
+    if args.tokenizer is not None:
+        try:
+            args.tokenizer = str(resolve_model_dir(args.tokenizer, "tokenizer"))
+        except HubModelError as exc:
+            raise EvalError(f"--tokenizer {exc}") from None
+    load_benchmarks(config)
+    return config, source
+
+
+def run(args) -> int:
     library_logs.apply(args.verbose)  # the table and the progress, not vLLM's start-up chatter (see library_logs)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    external = runtime.launched_externally()
-    rank, world = _external_rank() if external else (0, args.nproc if args.nproc is not None else 1)
+    external = launched_externally()
+    rank = detect_launch().rank if external else 0
 
     def fail(message) -> int:
         if rank == 0:
             print(f"dynamo eval: {message}", file=sys.stderr)
         return 2
 
-    # The layout first, before any import of consequence.
-    if args.tensor_parallel < 1:
-        return fail(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
-    if world < 1:
-        return fail(f"--nproc must be >= 1, got {world}")
-    if world % args.tensor_parallel:
-        what = f"the {world} ranks of this torchrun/srun job" if external else f"--nproc {world}"
-        return fail(f"--tensor-parallel {args.tensor_parallel} does not divide {what}: every rank hosts one vLLM "
-                    "worker, in engines of tensor-parallel ranks")
-
-    from megatron_dynamo.data.dataset import DatasetNotAvailableError
-    from megatron_dynamo.eval.model_source import resolve_checkpoint
-    from megatron_dynamo.eval.runner import EvalError, format_table, load_benchmarks
-    from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
-
-    # Everything that can be checked without a model is checked first: settings, the checkpoint path, the files.
     try:
-        if args.k is not None and not _csv(args.k):
-            raise ValueError("--k is empty")
-        config = _eval_config(args, args.template or "qwen_math_boxed")
-        source = resolve_checkpoint(args.checkpoint)
-        if args.tokenizer is not None:
-            try:
-                args.tokenizer = str(resolve_model_dir(args.tokenizer, "tokenizer"))
-            except HubModelError as exc:
-                raise EvalError(f"--tokenizer {exc}") from None
-        load_benchmarks(config)
+        topology = _topology(args, external)  # the layout first
+        config, source = _check_inputs(args)
     except (ValueError, KeyError, EvalError, DatasetNotAvailableError) as exc:
         return fail(exc)
     # A hub id's snapshot directory is named by its commit: outputs and the table use the model's name.
@@ -268,49 +250,11 @@ def run(args) -> int:
     if other is not None:  # before any conversion writes into it
         return fail(f"{output} holds the evaluation of another model ({other}); choose another --output or pass "
                     "--overwrite to replace it")
-
-    from megatron_dynamo.parallel.process_guard import start_guard
-
     start_guard()  # however this process ends (kill -9 included), the ranks and reward workers go too
-    collective = external and world > 1
-    if collective:
-        _init_external_group()
-    try:
-        job_or_code = _prepare(args, config, source, output, rank, fail, collective)
-        if isinstance(job_or_code, int):
-            return job_or_code
-        job = job_or_code
-        if rank == 0:
-            engines = world // args.tensor_parallel
-            origin = f"converted to {job.hf_dir}" if job.converted else "HF"
-            print(f"dynamo eval: {job.model} ({origin}), "
-                  f"{', '.join(job.config.benchmarks)}, n={job.config.n}, template {job.config.template}"
-                  + (f", {engines} engines of {args.tensor_parallel} rank(s)" if engines > 1 else ""), flush=True)
-            if job.converted:  # the converter checked it as --resume does: say what that proves
-                from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
-
-                print(f"dynamo eval: {job.model} verified; {trust_line(signing_key())}", flush=True)
-        if external or world == 1:
-            summary = evaluate_on_rank(rank, world, job)
-        else:
-            from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
-            from megatron_dynamo.rollout.vllm_engine import VLLMNotAvailableError
-
-            try:
-                summary = run_on_ranks(evaluate_on_rank, world, job, user_errors=(
-                    EvalError, ValueError, FileNotFoundError, VLLMNotAvailableError))[0]
-            except RankError as exc:
-                return fail(exc)
-    except EvalError as exc:
-        return fail(exc)
-    finally:
-        if collective:
-            import torch.distributed as dist
-
-            if dist.is_initialized():  # a failure before the engine (which ends the group) was built
-                dist.destroy_process_group()
-    if rank != 0:
-        return 0
+    summary = _evaluate_job(args, config, source, output, topology, rank, fail, collective=external and
+                            topology.world_size > 1)
+    if isinstance(summary, int) or rank != 0:
+        return summary if isinstance(summary, int) else 0
     record_finished(output, checkpoint_key(source), args)
     print(format_table([(args.label or name, summary)]))
     rate = summary["problems_per_second"]
@@ -320,12 +264,41 @@ def run(args) -> int:
     return 0
 
 
-def _prepare(args, config, source, output: Path, rank: int, fail, collective: bool):
+def _evaluate_job(args, config, source, output: Path, topology: JobTopology, rank: int, fail, collective: bool):
+    """The model prepared (converted once), then evaluated on this process's rank(s): rank 0's summary, None on the
+    other ranks, or the exit status of a failure."""
+    if collective:
+        _init_external_group()
+    try:
+        job = _prepare(args, config, source, output, topology, rank, fail, collective)
+        if isinstance(job, int):
+            return job
+        if rank == 0:
+            engines = topology.rollout.num_engines
+            origin = f"converted to {job.hf_dir}" if job.converted else "HF"
+            print(f"dynamo eval: {job.model} ({origin}), "
+                  f"{', '.join(job.config.benchmarks)}, n={job.config.n}, template {job.config.template}"
+                  + (f", {engines} engines of {topology.rollout.tensor_parallel} rank(s)" if engines > 1 else ""),
+                  flush=True)
+            if job.converted:  # the converter checked it as --resume does: say what that proves
+                print(f"dynamo eval: {job.model} verified; {trust_line(signing_key())}", flush=True)
+        if collective or topology.world_size == 1:
+            return evaluate_on_rank(rank, topology.world_size, job)
+        try:
+            return run_on_ranks(evaluate_on_rank, topology.world_size, job, user_errors=(
+                EvalError, ValueError, FileNotFoundError, VLLMNotAvailableError))[0]
+        except RankError as exc:
+            return fail(exc)
+    except EvalError as exc:
+        return fail(exc)
+    finally:
+        if collective and dist.is_initialized():  # a failure before the engine (which ends the group) was built
+            dist.destroy_process_group()
+
+
+def _prepare(args, config, source, output: Path, topology: JobTopology, rank: int, fail, collective: bool):
     """The HF model directory (a Megatron checkpoint converted once, by rank 0 when collective), the template and
     stop tokens: an :class:`EvalJob`, or the exit status of a failure."""
-    from megatron_dynamo.eval.model_source import prepare_model
-    from megatron_dynamo.eval.runner import EvalError
-
     def prepared():
         try:
             return prepare_model(source, output, tokenizer=args.tokenizer), None
@@ -333,8 +306,6 @@ def _prepare(args, config, source, output: Path, rank: int, fail, collective: bo
             return None, str(exc)
 
     if collective:  # rank 0 converts; the others then find its result (the output directory must be shared)
-        import torch.distributed as dist
-
         model, error = prepared() if rank == 0 else (None, None)
         box = [error]
         dist.broadcast_object_list(box, src=0)
@@ -352,7 +323,7 @@ def _prepare(args, config, source, output: Path, rank: int, fail, collective: bo
         except (ValueError, KeyError) as exc:
             return fail(exc)
 
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # the tokenizer library: only where a model is evaluated
 
     tokenizer_dir = args.tokenizer or str(model.hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -364,7 +335,7 @@ def _prepare(args, config, source, output: Path, rank: int, fail, collective: bo
     max_model_len = args.max_model_len or int(hf_config.get("max_position_embeddings", 4096))
     return EvalJob(hf_dir=str(model.hf_dir), converted=model.is_megatron, tokenizer_dir=tokenizer_dir,
                    config=config, output=str(output), model=str(model.source), max_model_len=max_model_len,
-                   tensor_parallel=args.tensor_parallel, dtype=args.dtype,
+                   topology=topology, dtype=args.dtype,
                    gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                    reward_workers=args.reward_workers, reward_timeout=args.reward_timeout,
                    progress=not args.no_progress, verbose=args.verbose)

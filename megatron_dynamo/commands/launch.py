@@ -35,7 +35,12 @@ import tempfile
 
 import yaml
 
-from megatron_dynamo.config import parse_yaml
+from megatron_dynamo.config import ConfigError, parse_yaml, to_dict
+from megatron_dynamo.launch import nemo
+from megatron_dynamo.launch.entry import convert_args
+from megatron_dynamo.launch.recipes import (CONVERSIONS, RECIPES, SiteRoots, TRAIN_ENV, check_layout, get_recipe,
+                                            load_recipe, recipe_overrides, train_args)
+from megatron_dynamo.trainer.config import ALGORITHMS
 
 
 def _site_arguments(parser) -> None:
@@ -44,7 +49,6 @@ def _site_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="training recipes: config overrides (trainer.steps=50); conversion recipes: "
                              "src=, out=, tp=, pp=, tokenizer=, dtype=, force=")
-    from megatron_dynamo.trainer.config import ALGORITHMS
 
     parser.add_argument("--algo", choices=ALGORITHMS, default="dynamo",
                         help="dynamo: the recipe as given; grpo: dynamic allocation and both modulation factors off; "
@@ -102,8 +106,6 @@ def add_arguments(parser) -> None:
 
 
 def _roots(args):
-    from megatron_dynamo.launch.recipes import SiteRoots
-
     return SiteRoots.from_env(ckpt_root=args.ckpt_root, data_dir=args.data_dir, output_root=args.output_root)
 
 
@@ -119,8 +121,6 @@ def _convert_params(overrides: list[str]) -> dict:
 
 
 def _list() -> int:
-    from megatron_dynamo.launch.recipes import CONVERSIONS, RECIPES
-
     for recipe in RECIPES.values():
         print(f"{recipe.name:24s} {recipe.nodes} x {recipe.gpus_per_node} GPUs  {recipe.description}  "
               f"[{recipe.config}]")
@@ -130,11 +130,6 @@ def _list() -> int:
 
 
 def _show(args) -> int:
-    from megatron_dynamo.config import to_dict
-    from megatron_dynamo.launch.entry import convert_args
-    from megatron_dynamo.launch.recipes import CONVERSIONS, check_layout, get_recipe, load_recipe, recipe_overrides, \
-        train_args
-
     if args.name in CONVERSIONS:
         try:
             command = convert_args(CONVERSIONS[args.name], **_convert_params(args.overrides))
@@ -177,11 +172,6 @@ def _dryrun_notes(args, script: str, each_task: str, per_node: int | None) -> li
 
 
 def _run(args) -> int:
-    from megatron_dynamo.launch import nemo
-    from megatron_dynamo.launch.entry import convert_args
-    from megatron_dynamo.launch.recipes import (CONVERSIONS, TRAIN_ENV, check_layout, get_recipe, recipe_overrides,
-                                                train_args)
-
     if args.name in CONVERSIONS:
         task = nemo.convert_task(CONVERSIONS[args.name], **_convert_params(args.overrides))
         nodes, gpus, env, torchrun, time_limit, retries = 1, None, {}, False, "04:00:00", 0
@@ -236,8 +226,6 @@ def _run(args) -> int:
 
 
 def run(args) -> int:
-    from megatron_dynamo.config import ConfigError
-
     try:
         if args.action == "list":
             return _list()

@@ -41,13 +41,25 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_dynamo import library_logs
+from megatron_dynamo.config import ConfigError
+from megatron_dynamo.launch.ranks import launch_training, resolve_topology
+from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
+from megatron_dynamo.parallel import stop_signals
+from megatron_dynamo.parallel.runtime import detect_launch, launcher
+from megatron_dynamo.parallel.spawn import RankError
+from megatron_dynamo.parallel.topology import JobTopology
+from megatron_dynamo.trainer.checkpoint import BAD_CHECKPOINT
+from megatron_dynamo.trainer.config import ALGORITHMS, load_run_config
+from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts
+from megatron_dynamo.trainer.errors import RolloutError
+from megatron_dynamo.trainer.trainer import TrainingError
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="YAML recipe (see configs/); sections: model, parallel, data, rollout, "
                                        "dynamo, optim, trainer, checkpoint, logging")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")
-    from megatron_dynamo.trainer.config import ALGORITHMS
-
     parser.add_argument("--algo", choices=ALGORITHMS, default="dynamo",
                         help="dynamo: the recipe as given; grpo: dynamic allocation and both modulation factors off; "
                              "clip_higher, entropy_loss, fork_tokens, entropy_adv, clip_cov, kl_cov, w_reinforce: "
@@ -61,21 +73,14 @@ def add_arguments(parser) -> None:
                              "ignored under torchrun/srun")
 
 
-def _layout_line(cfg, world_size: int, kind: str) -> str:
+def _layout_line(cfg, topology: JobTopology, kind: str) -> str:
     """The header's second line: ranks, who started them, the training layout and the rollout engines."""
-    from megatron_dynamo.parallel.placement import Placement
-
-    placement = Placement.of_run(cfg, world_size)
-    p, rollout = cfg.parallel, cfg.rollout
-    dp = placement.trainer_ranks // (p.tensor_parallel * p.pipeline_parallel * p.context_parallel)
-    started = {"torchrun": "torchrun", "slurm": "srun", "single": "this process" if world_size == 1 else "--nproc"}
-    plural = lambda n, word: f"{n} {word}{'s' if n != 1 else ''}"  # noqa: E731
-    engines = (placement.engine_ranks if placement.separate else world_size) // rollout.tensor_parallel
-    line = (f"{plural(world_size, 'rank')} ({started[kind]}): DP {dp} x TP {p.tensor_parallel} x PP "
-            f"{p.pipeline_parallel}; {plural(engines, 'rollout engine')} of {plural(rollout.tensor_parallel, 'rank')}")
-    if placement.separate:
-        line += (f" on ranks {placement.first_engine_rank}-{world_size - 1} of their own, up to "
-                 f"{plural(rollout.max_staleness, 'step')} off-policy")
+    world = topology.world_size
+    started = {"torchrun": "torchrun", "slurm": "srun", "single": "this process" if world == 1 else "--nproc"}
+    line = f"{world} rank{'s' if world != 1 else ''} ({started[kind]}): {topology.describe()}"
+    if topology.separate:
+        steps = cfg.rollout.max_staleness
+        line += f", up to {steps} step{'s' if steps != 1 else ''} off-policy"
     return line
 
 
@@ -97,53 +102,25 @@ def equals_grpo_note(cfg, algo: str) -> str | None:
 
 def run(args) -> int:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    from megatron_dynamo.config import ConfigError
-    from megatron_dynamo.launch.ranks import job_world_size
-    from megatron_dynamo.trainer.config import load_run_config
-
-    from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts
-
     try:
         cfg = load_run_config(args.config, args.overrides, algo=args.algo)
-        # Missing files, an output directory holding another run, too few or too long prompts: one line now
-        # (exit 2, nothing written), not a traceback after the ranks start. Hub ids are resolved here, once: the
+        # The layout, missing files, an output directory holding another run, too few or too long prompts: one line
+        # now (exit 2, nothing written), not a traceback after the ranks start. Hub ids are resolved here, once: the
         # ranks get the local snapshot directories.
-        cfg = check_run_inputs(cfg, world_size=job_world_size(cfg, args.nproc), resume=args.resume)
+        topology = resolve_topology(cfg, args.nproc)
+        cfg = check_run_inputs(cfg, resume=args.resume)
         prompt_note = check_training_prompts(cfg)
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 2
-    from megatron_dynamo import library_logs
-
     # The console: one line per step, not the libraries' start-up chatter (logging.verbose brings it back).
     library_logs.apply(cfg.logging.verbose)
     if not cfg.logging.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from megatron_dynamo.parallel.runtime import detect_launch, launcher
-
     if detect_launch().rank == 0:
-        print(f"dynamo train: {args.config} ({args.algo}{', resumed' if args.resume else ''}), "
-              f"{cfg.trainer.steps} steps -> {cfg.trainer.output_dir}", flush=True)
-        print(f"dynamo train: {_layout_line(cfg, job_world_size(cfg, args.nproc), launcher())}", flush=True)
-        if prompt_note:
-            print(f"dynamo train: {prompt_note}", flush=True)
-        if equals_grpo_note(cfg, args.algo):
-            print(f"dynamo train: {equals_grpo_note(cfg, args.algo)}", flush=True)
-        if cfg.rollout.max_staleness and cfg.dynamo.loss.engine_is == "off":
-            print(f"dynamo train: rollout.max_staleness={cfg.rollout.max_staleness} with dynamo.loss.engine_is=off: "
-                  "the gradient ignores that the samples come from older weights (engine_is=truncate weighs each "
-                  "token by the proximal/behaviour ratio: docs/rollout.md)", flush=True)
-        from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
-
-        print(f"dynamo train: {trust_line(signing_key())}", flush=True)
-    from megatron_dynamo.launch.ranks import launch_training
-    from megatron_dynamo.parallel import stop_signals
-    from megatron_dynamo.parallel.spawn import RankError
-    from megatron_dynamo.trainer.errors import RolloutError
-    from megatron_dynamo.trainer.trainer import TrainingError
-
+        _print_header(args, cfg, topology, prompt_note)
     try:
-        launch_training(cfg, args.resume, args.nproc)
+        launch_training(cfg, topology, args.resume)
     except (TrainingError, RolloutError, RankError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         # Stopped by a signal (or failed while stopping): the status a shell gives a process the signal ended.
@@ -154,10 +131,24 @@ def run(args) -> int:
     return 0
 
 
+def _print_header(args, cfg, topology: JobTopology, prompt_note: str | None) -> None:
+    """Rank 0's lines before the run: what runs, on which layout, and the notes about the settings."""
+    print(f"dynamo train: {args.config} ({args.algo}{', resumed' if args.resume else ''}), "
+          f"{cfg.trainer.steps} steps -> {cfg.trainer.output_dir}", flush=True)
+    print(f"dynamo train: {_layout_line(cfg, topology, launcher())}", flush=True)
+    if prompt_note:
+        print(f"dynamo train: {prompt_note}", flush=True)
+    if equals_grpo_note(cfg, args.algo):
+        print(f"dynamo train: {equals_grpo_note(cfg, args.algo)}", flush=True)
+    if cfg.rollout.max_staleness and cfg.dynamo.loss.engine_is == "off":
+        print(f"dynamo train: rollout.max_staleness={cfg.rollout.max_staleness} with dynamo.loss.engine_is=off: "
+              "the gradient ignores that the samples come from older weights (engine_is=truncate weighs each "
+              "token by the proximal/behaviour ratio: docs/rollout.md)", flush=True)
+    print(f"dynamo train: {trust_line(signing_key())}", flush=True)
+
+
 def _no_intact_checkpoint(exc: BaseException) -> bool:
     """--resume found only damaged checkpoints, or model.checkpoint does not verify (on one rank or, through
     RankError, on all): bad input, exit 2."""
-    from megatron_dynamo.trainer.checkpoint import BAD_CHECKPOINT
-
     texts = [text for _, text in exc.errors] if hasattr(exc, "errors") else [str(exc)]
     return all(text.startswith(BAD_CHECKPOINT) for text in texts)

@@ -57,8 +57,9 @@ from megatron_dynamo.eval.results import (  # noqa: F401 -- re-exported as above
     write_json_atomic,
     write_lines,
 )
+from megatron_dynamo.parallel.topology import EngineLayout
 from megatron_dynamo.rollout.interface import GenerationRequest, SamplingConfig
-from megatron_dynamo.rollout.sharding import EngineLayout, assign_to_engines, request_loads
+from megatron_dynamo.rollout.sharding import assign_to_engines, request_loads
 
 log = logging.getLogger(__name__)
 

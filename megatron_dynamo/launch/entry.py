@@ -12,8 +12,15 @@ import os
 import subprocess
 import sys
 
+from megatron_dynamo.config import ConfigError, validate_tree
+from megatron_dynamo.launch.ranks import launch_training, resolve_topology
 from megatron_dynamo.launch.requeue import not_requeued
-from megatron_dynamo.trainer.config import RunConfig
+from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
+from megatron_dynamo.parallel.spawn import RankError
+from megatron_dynamo.trainer.config import RunConfig, with_algorithm
+from megatron_dynamo.trainer.preflight import check_run_inputs
+from megatron_dynamo.trainer.errors import RolloutError
+from megatron_dynamo.trainer.trainer import ResumeError, TrainingError, TrainingStopped
 
 
 def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
@@ -22,23 +29,16 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
     a warning), so the same task serves the first submission and every requeue."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    from megatron_dynamo.config import ConfigError, validate_tree
-    from megatron_dynamo.launch.ranks import launch_training
-    from megatron_dynamo.parallel.spawn import RankError
-    from megatron_dynamo.trainer.config import with_algorithm
-    from megatron_dynamo.trainer.preflight import check_run_inputs
-    from megatron_dynamo.trainer.errors import RolloutError
-    from megatron_dynamo.trainer.trainer import ResumeError, TrainingError, TrainingStopped
-
     try:
         run = with_algorithm(config, algo)
         validate_tree(run)
+        topology = resolve_topology(run)
         run = check_run_inputs(run)  # hub ids -> local snapshots (one of several ranks: from the cache only)
     except ConfigError as exc:
         print(f"dynamo launch: {exc}\n{not_requeued('bad input (exit 2)')}", file=sys.stderr)
         raise SystemExit(2) from None
     try:  # under torchrun/srun this process is one rank; a single process spawns the model-parallel ranks
-        launch_training(run, resume)
+        launch_training(run, topology, resume)
     except (TrainingError, RolloutError, RankError) as exc:
         print(f"dynamo launch: rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', '0'))}: {exc}",
               file=sys.stderr)
@@ -54,8 +54,6 @@ def train(config: RunConfig, algo: str = "dynamo", resume: bool = True) -> None:
 def resolve_checkpoint(path: str) -> str:
     """A training checkpoint directory (``<output_dir>/checkpoints``, holding ``latest``) -> its latest step
     directory; any other path unchanged. Resolved when the job runs, not when it is submitted."""
-    from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
-
     latest = latest_checkpoint(path)
     return str(latest) if latest is not None else path
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml
+from megatron_dynamo.parallel.topology import JobTopology, check_at_least_one, check_divides
 from megatron_dynamo.trainer.config import ALGORITHMS, RunConfig, load_run_config
+
 
 # The project checkout (configs/ is not part of the installed package; the launcher needs an editable install or
 # to be run from the checkout).
@@ -149,55 +151,49 @@ def load_recipe(recipe: Recipe, overrides: list[str], algo: str = "dynamo") -> R
 
 @dataclass(frozen=True)
 class Layout:
+    """A recipe's job on ``nodes`` x ``gpus_per_node`` GPUs: its topology, and whether TP splits the activations too."""
+
     nodes: int
     gpus_per_node: int
-    tensor_parallel: int
-    pipeline_parallel: int
-    context_parallel: int
-    data_parallel: int
-    sequence_parallel: bool
-    rollout_tensor_parallel: int
+    topology: JobTopology
+    sequence_parallel: bool = False
 
-    engine_ranks: int = 0  # rollout.placement: separate: the last engine_ranks ranks only generate
+    @property
+    def tensor_parallel(self) -> int:
+        return self.topology.parallel.tensor_parallel
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return self.topology.parallel.pipeline_parallel
+
+    @property
+    def data_parallel(self) -> int:
+        return self.topology.parallel.data_parallel
 
     def describe(self) -> str:
         sp = " (SP)" if self.sequence_parallel else ""
-        world = self.nodes * self.gpus_per_node
-        head = (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {world} ranks: TP={self.tensor_parallel}{sp} "
-                f"PP={self.pipeline_parallel} CP={self.context_parallel} DP={self.data_parallel}")
-        if self.engine_ranks:
-            return (f"{head} on ranks 0-{world - self.engine_ranks - 1}; "
-                    f"{self.engine_ranks // self.rollout_tensor_parallel} vLLM engine(s) of "
-                    f"TP={self.rollout_tensor_parallel} on ranks {world - self.engine_ranks}-{world - 1}")
-        return (f"{head}; {world // self.rollout_tensor_parallel} vLLM engine(s) of TP={self.rollout_tensor_parallel}, "
-                "one worker on every GPU")
+        top, p, engines = self.topology, self.topology.parallel, self.topology.rollout
+        head = (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {top.world_size} ranks: TP={p.tensor_parallel}{sp} "
+                f"PP={p.pipeline_parallel} CP={p.context_parallel} DP={p.data_parallel}")
+        if top.separate:
+            return (f"{head} on ranks 0-{p.ranks - 1}; {engines.num_engines} vLLM engine(s) of "
+                    f"TP={engines.tensor_parallel} on ranks {top.first_engine_rank}-{top.world_size - 1}")
+        return f"{head}; {engines.num_engines} vLLM engine(s) of TP={engines.tensor_parallel}, one worker on every GPU"
 
 
 def check_layout(run: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
     """The parallel layout on ``nodes`` x ``gpus_per_node`` GPUs, or ConfigError if it does not divide (checked
     before anything is submitted, instead of in every rank after the queue wait)."""
-    if nodes < 1 or gpus_per_node < 1:
-        raise ConfigError(f"nodes and gpus per node must be >= 1, got {nodes} and {gpus_per_node}")
-    from megatron_dynamo.parallel.placement import Placement
-
-    world = nodes * gpus_per_node
-    p = run.parallel
-    model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
-    try:
-        p.validate()
-        placement = Placement.of_run(run, world)
-        placement.check(model_parallel, run.rollout.tensor_parallel)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if gpus_per_node % run.rollout.tensor_parallel:
-        raise ConfigError(f"rollout.tensor_parallel={run.rollout.tensor_parallel} does not divide the {gpus_per_node} "
-                          "GPUs of a node (every GPU hosts a vLLM worker; an engine's ranks share a node)")
-    if placement.separate and placement.engine_ranks % gpus_per_node:
-        raise ConfigError(f"rollout.engine_ranks={placement.engine_ranks} is not a whole number of {gpus_per_node}-GPU "
-                          "nodes (a node either trains or generates)")
-    return Layout(nodes, gpus_per_node, p.tensor_parallel, p.pipeline_parallel, p.context_parallel,
-                  placement.trainer_ranks // model_parallel, p.sequence_parallel, run.rollout.tensor_parallel,
-                  placement.engine_ranks)
+    check_at_least_one("nodes", nodes)
+    check_at_least_one("GPUs per node", gpus_per_node)
+    topology = JobTopology.resolve(nodes * gpus_per_node, run.parallel, run.rollout)
+    tensor_parallel = topology.rollout.tensor_parallel
+    check_divides(f"rollout.tensor_parallel={tensor_parallel}", tensor_parallel, f"the {gpus_per_node} GPUs of a node",
+                  gpus_per_node, "every GPU hosts a vLLM worker; an engine's ranks share a node")
+    if topology.separate:
+        check_divides(f"the node size {gpus_per_node}", gpus_per_node, f"rollout.engine_ranks={topology.engine_ranks}",
+                      topology.engine_ranks, "a node either trains or generates")
+    return Layout(nodes, gpus_per_node, topology, run.parallel.sequence_parallel)
 
 
 def train_args(recipe: Recipe, overrides: list[str], algo: str = "dynamo") -> list[str]:

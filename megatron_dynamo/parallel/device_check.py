@@ -34,7 +34,9 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from megatron_dynamo.parallel import cpu_compat
 from megatron_dynamo.parallel.cpu_compat import is_cuda_device
+
 
 DEVICE, HOST = "device", "host"
 SIMULATED_DEVICE = torch.device("cuda", 0)
@@ -237,7 +239,6 @@ def simulated_gpu_placement() -> Iterator[None]:
     device tensors when the model is moved to ``runtime.current_device()``)."""
     if torch.cuda.is_available():
         raise RuntimeError("simulated_gpu_placement is for CPU runs; on a GPU the real placement rules apply")
-    from megatron_dynamo.parallel import cpu_compat
 
     cpu_compat.install()  # CUDA device arguments must reach the CPU underneath this mode
     originals = {name: getattr(dist, name) for name in _COLLECTIVES + _OBJECT_COLLECTIVES if hasattr(dist, name)}

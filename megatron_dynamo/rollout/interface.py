@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Pro
 import torch
 
 if TYPE_CHECKING:
-    from megatron_dynamo.rollout.sharding import EngineLayout
+    from megatron_dynamo.parallel.topology import EngineLayout
 
 FinishReason = Literal["stop", "length"]
 
@@ -232,7 +232,7 @@ class GenerationEngine(Protocol):
     seed derivation (:func:`request_seed`). ``update_weights``: load HF-named full tensors into the running engine
     (any subset of the model; a stream is consumed once). ``sleep``/``wake_up``: free / restore the engine's
     accelerator memory around a training phase (no-ops where unsupported). ``close``: stop the engine.
-    ``layout`` (:class:`~megatron_dynamo.rollout.sharding.EngineLayout`): which engine this rank's part belongs to
+    ``layout`` (:class:`~megatron_dynamo.parallel.topology.EngineLayout`): which engine this rank's part belongs to
     (every rank hosts a part; ranks of one engine call ``generate`` with identical requests, the trainer splits a
     step's prompts over the engines).
     """

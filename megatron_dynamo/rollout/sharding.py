@@ -1,8 +1,8 @@
-"""Which ranks form which rollout engine, and which engine generates which prompt.
+"""Which engine generates which prompt.
 
-Every training rank hosts a vLLM worker (``rollout.vllm_engine``). Each run of ``tensor_parallel`` consecutive
-ranks is one engine (vLLM's ``external_launcher`` groups them so), so a world of W ranks has W / tensor_parallel
-engines. The first rank of an engine (its *leader*) scores the engine's responses and hands them to the others.
+Which ranks form which engine, and which rank leads it, is the job's topology
+(:class:`~megatron_dynamo.parallel.topology.EngineLayout`): a world of W engine ranks has W /
+``rollout.tensor_parallel`` engines.
 
 Prompts go to engines by :func:`assign_to_engines`: longest-processing-time first over the requests' expected token
 loads, ties broken by position, so every rank computes the same assignment from the same inputs without talking.
@@ -14,47 +14,7 @@ Plain Python: nothing here imports torch.distributed or vLLM.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 from typing import Sequence
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """The engine layout of one rank: ``world_size`` ranks in engines of ``tensor_parallel`` consecutive ranks."""
-
-    rank: int
-    world_size: int
-    tensor_parallel: int
-
-    def __post_init__(self) -> None:
-        if self.tensor_parallel < 1 or self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"bad engine layout: rank {self.rank}, world size {self.world_size}, "
-                             f"tensor_parallel {self.tensor_parallel}")
-        if self.world_size % self.tensor_parallel:
-            raise ValueError(f"rollout.tensor_parallel={self.tensor_parallel} does not divide the {self.world_size} "
-                             "ranks: every rank hosts one vLLM worker, in engines of tensor_parallel ranks")
-
-    @classmethod
-    def of_process(cls, tensor_parallel: int) -> "EngineLayout":
-        """This process's layout (one rank when torch.distributed is not initialised)."""
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), tensor_parallel)
-        return cls(0, 1, tensor_parallel)
-
-    @property
-    def num_engines(self) -> int:
-        return self.world_size // self.tensor_parallel
-
-    @property
-    def engine_index(self) -> int:
-        return self.rank // self.tensor_parallel
-
-    @property
-    def is_leader(self) -> bool:
-        """The engine's first rank: it scores the engine's responses and contributes them to the exchange."""
-        return self.rank % self.tensor_parallel == 0
 
 
 def request_loads(prompt_lengths: Sequence[int], counts: Sequence[int], expected_response_tokens: float) -> list[float]:

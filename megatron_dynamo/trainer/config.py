@@ -10,13 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from megatron_dynamo.algorithms.advantages import registered_advantage_estimators
 from megatron_dynamo.algorithms.baselines import BASELINES
 from megatron_dynamo.algorithms.config import (AllocationConfig, DynamicSamplingConfig, ModulationConfig,
                                                PolicyLossConfig)
+from megatron_dynamo.algorithms.losses import registered_policy_losses
+from megatron_dynamo.algorithms.prompt_weights import HOMOGENEOUS_LOSSES
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml, validate_tree
+from megatron_dynamo.data.dataset import GENERATED_TASKS
+from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
+from megatron_dynamo.data.templates import list_templates
+from megatron_dynamo.eval.runner import EvalConfig
+from megatron_dynamo.models.checkpoint_io import CHECKPOINT_HF_DIR, is_model_checkpoint
 from megatron_dynamo.parallel.runtime import ParallelConfig
+from megatron_dynamo.parallel.topology import check_at_least_one, check_placement
+from megatron_dynamo.rollout.interface import registered_engines
 from megatron_dynamo.trainer.actor import OptimConfig
 from megatron_dynamo.trainer.outputs import CheckpointConfig, EvaluationConfig, LoggingConfig
+from megatron_dynamo.trainer.old_logprobs import OLD_LOGPROB_PASSES
 
 DTYPES = ("fp32", "bf16")
 
@@ -56,7 +67,6 @@ class ModelConfig:
             return self.config
         if self.checkpoint is None:
             raise ValueError("model: neither config nor checkpoint is given")
-        from megatron_dynamo.models.checkpoint_io import CHECKPOINT_HF_DIR, is_model_checkpoint
 
         checkpoint = str(Path(self.checkpoint).expanduser())
         return str(Path(checkpoint) / CHECKPOINT_HF_DIR) if is_model_checkpoint(checkpoint) else checkpoint
@@ -101,8 +111,6 @@ class DataConfig:
             raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-        from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
-        from megatron_dynamo.data.templates import list_templates
 
         if self.template not in list_templates():
             raise ValueError(f"template must be one of {list_templates()}, got {self.template!r}")
@@ -115,7 +123,6 @@ class DataConfig:
             raise ValueError(f"synthetic_problems must be >= 1, got {self.synthetic_problems}")
         if self.sft_problems < 0:
             raise ValueError(f"sft_problems must be >= 0 (0: the training prompts), got {self.sft_problems}")
-        from megatron_dynamo.data.dataset import GENERATED_TASKS
 
         if self.sft_problems and self.train not in GENERATED_TASKS:
             raise ValueError(f"sft_problems draws problems from a generated task ({', '.join(GENERATED_TASKS)}); "
@@ -168,11 +175,8 @@ class RolloutConfig:
     cpu_kvcache_gb: float | None = None
 
     def validate(self) -> None:
-        from megatron_dynamo.parallel.placement import check_placement_settings
-        from megatron_dynamo.rollout.interface import registered_engines
-
-        check_placement_settings(self.placement, self.engine_ranks, self.max_staleness, self.tensor_parallel)
-
+        check_at_least_one("rollout.tensor_parallel", self.tensor_parallel)
+        check_placement(self.placement, self.engine_ranks, self.max_staleness, self.tensor_parallel)
         if self.engine not in registered_engines():
             raise ValueError(f"engine must be one of {registered_engines()}, got {self.engine!r}")
         if not self.temperature > 0:
@@ -183,8 +187,6 @@ class RolloutConfig:
             raise ValueError(f"max_response_tokens must be >= 1, got {self.max_response_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.cpu_kvcache_gb is not None and not self.cpu_kvcache_gb > 0:
@@ -212,10 +214,6 @@ class DynamoConfig:
     token_stats_chunk: int | None = None
 
     def validate(self) -> None:
-        from megatron_dynamo.algorithms.advantages import registered_advantage_estimators
-        from megatron_dynamo.algorithms.losses import registered_policy_losses
-        from megatron_dynamo.algorithms.prompt_weights import HOMOGENEOUS_LOSSES
-
         if self.advantage_estimator not in registered_advantage_estimators():
             raise ValueError(f"advantage_estimator {self.advantage_estimator!r} is not registered "
                              f"(registered: {list(registered_advantage_estimators())})")
@@ -299,7 +297,6 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.pack_sequences not in PACK_SEQUENCES:
             raise ValueError(f"pack_sequences must be one of {PACK_SEQUENCES}, got {self.pack_sequences!r}")
-        from megatron_dynamo.trainer.old_logprobs import OLD_LOGPROB_PASSES
 
         if self.old_logprob_pass not in OLD_LOGPROB_PASSES:
             raise ValueError(f"old_logprob_pass must be one of {OLD_LOGPROB_PASSES}, got {self.old_logprob_pass!r}")
@@ -359,8 +356,6 @@ class RunConfig:
 def eval_config(run: RunConfig, stop_token_ids: tuple[int, ...] = ()):
     """The :class:`~megatron_dynamo.eval.runner.EvalConfig` of the run's periodic evaluation: its own settings,
     the rollout's sampling where it leaves them open, the training prompt template and data directory."""
-    from megatron_dynamo.eval.runner import EvalConfig
-
     ev = run.evaluation
     pick = lambda value, default: default if value is None else value  # noqa: E731
     return EvalConfig(benchmarks=ev.benchmarks, n=ev.n, k=ev.k, limit=ev.limit,

@@ -18,10 +18,21 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_dynamo.algorithms.allocation import PromptHistory
+from megatron_dynamo.data.dataset import PromptSampler
+from megatron_dynamo.models.qwen import load_hf_config
+from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
 from megatron_dynamo.rollout import channel
+from megatron_dynamo.rollout.weight_sync import load_weights_from_trainer_ranks
 from megatron_dynamo.trainer.errors import TrainingError
 from megatron_dynamo.trainer.overlap import OverlapSchedule
+from megatron_dynamo.trainer.preflight import resolve_run_models
+from megatron_dynamo.trainer.rollout_producer import RolloutProducer
+from megatron_dynamo.trainer.rollout_setup import (build_tokenizer, create_engine, create_scorer, evaluate_on_engines,
+                                                   sampling_config, training_examples)
+from megatron_dynamo.trainer.step import StageTimer
 from megatron_dynamo.trainer.errors import RolloutError, raise_on_any_rank
+
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +42,6 @@ class EngineRanks:
     history (the copy the allocation reads). Built on every engine rank together (collective over them)."""
 
     def __init__(self, run, groups):
-        from megatron_dynamo.algorithms.allocation import PromptHistory
-        from megatron_dynamo.data.dataset import PromptSampler
-        from megatron_dynamo.models.qwen import load_hf_config
-        from megatron_dynamo.trainer.preflight import resolve_run_models
-        from megatron_dynamo.trainer.rollout_producer import RolloutProducer
-        from megatron_dynamo.trainer.rollout_setup import (build_tokenizer, create_engine, create_scorer,
-                                                           sampling_config, training_examples)
-
         self.run = resolve_run_models(run, local_only=True)
         self.groups = groups
         self.engine = self.scorer = None
@@ -61,7 +64,7 @@ class EngineRanks:
         self.sampling = sampling_config(run, self.tokenizer)
         self.engine = create_engine(run, self.model_dir, hf_config, self.tokenizer, self.max_model_len,
                                     sleep_mode=False)
-        self.scorer = create_scorer(run, self.engine)
+        self.scorer = create_scorer(run.reward, self.engine)
         self.producer = RolloutProducer(run, self.examples, self.engine, self.scorer, self.sampler, self.history,
                                         self.tokenizer, self.sampling)
 
@@ -103,8 +106,6 @@ class EngineRanks:
                 return
 
     def _load_weights(self, version: int) -> None:
-        from megatron_dynamo.rollout.weight_sync import load_weights_from_trainer_ranks
-
         failure = None
         try:
             load_weights_from_trainer_ranks(self.engine, self.groups.control)
@@ -113,8 +114,6 @@ class EngineRanks:
         raise_on_any_rank(failure, f"loading the weights of step {version} into the rollout engines failed")
 
     def _evaluate(self, version: int) -> None:
-        from megatron_dynamo.trainer.rollout_setup import evaluate_on_engines
-
         failure, metrics = None, {}
         try:
             metrics = evaluate_on_engines(self.run, self.engine, self.tokenizer, self.scorer, self.sampling, version,
@@ -125,9 +124,6 @@ class EngineRanks:
         self._send(channel.EVAL, version, metrics)
 
     def _produce(self, step: int, version: int) -> None:
-        from megatron_dynamo.parallel.stop_signals import agreed_stop_signal
-        from megatron_dynamo.trainer.step import StageTimer
-
         timer = StageTimer()
         started = time.time()
         batch = self.producer.produce(step, version, timer)

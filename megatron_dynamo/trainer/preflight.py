@@ -15,6 +15,18 @@ import math
 from pathlib import Path
 
 from megatron_dynamo.config import ConfigError
+from megatron_dynamo.data.dataset import (DatasetNotAvailableError, GENERATED_TASKS, generated_test_split,
+                                          load_math_jsonl, resolve_dataset_path)
+from megatron_dynamo.data.prompt_length import (PromptLengthReport, check_prompt_overflow, fitting_examples,
+                                                prompt_token_lengths)
+from megatron_dynamo.models.checkpoint_io import (CheckpointError, TOKENIZER_FILES, is_model_checkpoint,
+                                                  read_checkpoint_info)
+from megatron_dynamo.models.checkpoint_io.signing import CheckpointKeyError, signing_key
+from megatron_dynamo.models.checkpoint_io.write_errors import disk_space, human_bytes
+from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
+from megatron_dynamo.models.mappings import hf_parameter_shapes
+from megatron_dynamo.models.qwen import load_hf_config, parse_qwen_config
+from megatron_dynamo.trainer.checkpoint import list_checkpoints
 from megatron_dynamo.trainer.config import RunConfig
 
 
@@ -42,8 +54,6 @@ def resolve_run_models(run: RunConfig, local_only: bool | None = None) -> RunCon
     process is one of several ranks). Raises ConfigError naming the key."""
     from dataclasses import replace
 
-    from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
-
     if local_only is None:
         local_only = _one_of_many_ranks()
     resolved = {}
@@ -58,8 +68,6 @@ def resolve_run_models(run: RunConfig, local_only: bool | None = None) -> RunCon
 
 
 def _check_checkpoint(path: str) -> None:
-    from megatron_dynamo.models.checkpoint_io import CheckpointError, is_model_checkpoint, read_checkpoint_info
-
     directory = Path(path).expanduser()
     if not directory.is_dir():
         raise ConfigError(f"model.checkpoint: no such directory: {directory}")
@@ -75,8 +83,6 @@ def _check_checkpoint(path: str) -> None:
 
 
 def _check_dataset(key: str, name: str, data_dir: str | None) -> None:
-    from megatron_dynamo.data.dataset import DatasetNotAvailableError, generated_test_split, resolve_dataset_path
-
     if generated_test_split(name) is not None:
         return
     try:
@@ -93,8 +99,6 @@ def _checkpoint_root(run: RunConfig) -> Path:
 def _check_output_dir(run: RunConfig, resume: bool) -> None:
     """The output directory can take this run: not a file, and (without ``--resume``) no earlier run's
     checkpoints in it, which this run would otherwise mix with its own."""
-    from megatron_dynamo.trainer.checkpoint import list_checkpoints
-
     output = Path(run.trainer.output_dir).expanduser()
     if output.exists() and not output.is_dir():
         raise ConfigError(f"trainer.output_dir: {output} exists and is not a directory")
@@ -128,10 +132,6 @@ def _check_writable(path: Path, key: str) -> None:
 def checkpoint_bytes(run: RunConfig) -> int:
     """About the size of one checkpoint of ``run``: the weights in ``model.dtype``, Adam's two fp32 moments, fp32
     master weights of a bf16 model, the tokenizer files copied into ``hf/``, and 1 MiB of metadata."""
-    from megatron_dynamo.models.checkpoint_io import TOKENIZER_FILES
-    from megatron_dynamo.models.mappings import hf_parameter_shapes
-    from megatron_dynamo.models.qwen import load_hf_config, parse_qwen_config
-
     arch = parse_qwen_config(load_hf_config(run.model.config_source()))
     params = sum(math.prod(shape) for shape in hf_parameter_shapes(arch).values())
     per_param = {"fp32": 4 + 8, "bf16": 2 + 8 + 4}[run.model.dtype]
@@ -144,8 +144,6 @@ def checkpoint_bytes(run: RunConfig) -> int:
 def _check_output_space(run: RunConfig) -> None:
     """The output and checkpoint directories are writable, and the checkpoints' file system has room for one
     checkpoint of this run (a save writes the new one before it removes the oldest)."""
-    from megatron_dynamo.models.checkpoint_io.write_errors import disk_space, human_bytes
-
     _check_writable(Path(run.trainer.output_dir).expanduser(), "trainer.output_dir")
     root = _checkpoint_root(run)
     _check_writable(root, "checkpoint.dir" if run.checkpoint.dir else "trainer.output_dir (checkpoints/)")
@@ -157,8 +155,6 @@ def _check_output_space(run: RunConfig) -> None:
 
 
 def _check_signing_key() -> None:
-    from megatron_dynamo.models.checkpoint_io.signing import CheckpointKeyError, signing_key
-
     try:
         signing_key()
     except CheckpointKeyError as exc:
@@ -166,11 +162,12 @@ def _check_signing_key() -> None:
 
 
 def _tokenizer(run: RunConfig):
-    if run.model.tokenizer == "char":
-        from megatron_dynamo.data.tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer()
+    # Here, not at the top: data.tokenizer imports transformers (~0.9 s), and `dynamo --help` imports this module.
+    from megatron_dynamo.data.tokenizer import build_char_tokenizer
     from transformers import AutoTokenizer
+
+    if run.model.tokenizer == "char":
+        return build_char_tokenizer()
 
     return AutoTokenizer.from_pretrained(run.model.tokenizer)
 
@@ -187,8 +184,6 @@ def small_data_fix(num_prompts: int, prompts_per_step: int, mini_batch_prompts: 
 
 def load_examples(run: RunConfig):
     """The run's training problems: a generated task's (seeded), else the rows of its data file."""
-    from megatron_dynamo.data.dataset import GENERATED_TASKS, load_math_jsonl
-
     if run.data.train in GENERATED_TASKS:
         return GENERATED_TASKS[run.data.train].make(run.data.synthetic_problems, run.data.seed)
 
@@ -199,9 +194,6 @@ def check_training_prompts(run: RunConfig) -> str | None:
     """The training prompts against the step size and the prompt-length policy (``data.prompt_overflow``), before
     any rank starts. Raises :class:`ConfigError` (one line naming every key to change); returns the console line
     about long prompts, or None."""
-    from megatron_dynamo.data.prompt_length import (PromptLengthReport, check_prompt_overflow, fitting_examples,
-                                                    prompt_token_lengths)
-
     try:
         examples = load_examples(run)
     except (OSError, ValueError) as exc:
@@ -221,7 +213,7 @@ def check_training_prompts(run: RunConfig) -> str | None:
                           f"oversample) = {round_prompts} prompts, within the {len(examples)} training prompts, got "
                           f"{run.dynamo.sampling.oversample}")
     if fix:
-        size = "data.synthetic_problems" if run.data.train in _generated_tasks() else "data.train"
+        size = "data.synthetic_problems" if run.data.train in GENERATED_TASKS else "data.train"
         raise ConfigError(f"{size} has {len(examples)} usable prompts, fewer than data.prompts_per_step "
                           f"({run.data.prompts_per_step}; a step never holds a prompt twice): run with "
                           f"{' '.join(f'{k}={v}' for k, v in fix.items())}"
@@ -230,31 +222,13 @@ def check_training_prompts(run: RunConfig) -> str | None:
     return note
 
 
-def _generated_tasks():
-    from megatron_dynamo.data.dataset import GENERATED_TASKS
-
-    return GENERATED_TASKS
-
-
-def _check_layout(run: RunConfig, world_size: int) -> None:
-    """The job's ranks split into training ranks (whole model-parallel groups) and engines."""
-    from megatron_dynamo.parallel.placement import Placement
-
-    p = run.parallel
-    try:
-        Placement.of_run(run, world_size).check(p.tensor_parallel * p.pipeline_parallel * p.context_parallel,
-                                               run.rollout.tensor_parallel)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size: int | None = None,
-                     resume: bool | None = None) -> RunConfig:
+def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: bool | None = None) -> RunConfig:
     """Raise :class:`ConfigError` for the first input of ``run`` that does not exist or cannot be used (with
-    ``world_size``, also a layout that does not divide it; with ``resume`` given, an output directory that holds
-    another run; always: output and checkpoint directories that cannot be written or have no room for a checkpoint,
-    an unusable checkpoint key); return ``run`` with hub ids resolved to local directories (:func:`resolve_run_models`), which is
-    what the ranks get. :func:`check_training_prompts` checks the prompts themselves."""
+    ``resume`` given, an output directory that holds another run; always: output and checkpoint directories that
+    cannot be written or have no room for a checkpoint, an unusable checkpoint key); return ``run`` with hub ids
+    resolved to local directories (:func:`resolve_run_models`), which is what the ranks get.
+    :func:`check_training_prompts` checks the prompts themselves; the layout is the job's topology's
+    (``launch.ranks.resolve_topology``)."""
     run = resolve_run_models(run, local_only)
     if resume is not None:
         _check_output_dir(run, resume)
@@ -270,7 +244,6 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size:
                           "'char' for the synthetic task's character tokenizer)")
     if run.data.data_dir is not None and not Path(run.data.data_dir).expanduser().is_dir():
         raise ConfigError(f"data.data_dir: no such directory: {run.data.data_dir}")
-    from megatron_dynamo.data.dataset import GENERATED_TASKS
 
     if run.data.train not in GENERATED_TASKS:
         _check_dataset("data.train", run.data.train, run.data.data_dir)
@@ -282,8 +255,6 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, world_size:
     if torch.cuda.is_available() and run.rollout.tensor_parallel > torch.cuda.device_count():
         raise ConfigError(f"rollout.tensor_parallel ({run.rollout.tensor_parallel}) exceeds the "
                           f"{torch.cuda.device_count()} GPU(s) of this node")
-    if world_size is not None:
-        _check_layout(run, world_size)
     evaluation = run.evaluation
     if evaluation.every or evaluation.at_start:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir

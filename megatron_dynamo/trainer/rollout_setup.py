@@ -15,7 +15,18 @@ from typing import Any, Callable, ContextManager
 import torch
 import torch.distributed as dist
 
+from megatron_dynamo.data.prompt_length import fitting_examples, prompt_token_lengths
+from megatron_dynamo.data.stopping import GenerationConfigError, copy_generation_config, stop_token_ids
+from megatron_dynamo.eval.runner import EvalError, evaluate, summary_metrics
+from megatron_dynamo.models.checkpoint_dirs import step_dir_name
+from megatron_dynamo.models.checkpoint_io import HFCheckpointReader, is_model_checkpoint
+from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
+from megatron_dynamo.rollout.interface import SamplingConfig, create_engine as create
+from megatron_dynamo.rollout.kv_cache import kv_cache_size
+from megatron_dynamo.trainer.config import eval_config
 from megatron_dynamo.trainer.errors import TrainingError
+from megatron_dynamo.trainer.preflight import load_examples
+
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +34,12 @@ log = logging.getLogger(__name__)
 def build_tokenizer(run, output_dir: Path):
     """The run's tokenizer, saved under ``<output_dir>/tokenizer`` (the rollout engine loads it from there)."""
     target = output_dir / "tokenizer"
-    if run.model.tokenizer == "char":
-        from megatron_dynamo.data.tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer(str(target))
+    # Here, not at the top: data.tokenizer imports transformers (~0.9 s), and `dynamo --help` imports this module.
+    from megatron_dynamo.data.tokenizer import build_char_tokenizer
     from transformers import AutoTokenizer
+
+    if run.model.tokenizer == "char":
+        return build_char_tokenizer(str(target))
 
     tokenizer = AutoTokenizer.from_pretrained(run.model.tokenizer)
     tokenizer.save_pretrained(str(target))
@@ -38,7 +50,6 @@ def hf_weight_source(path: str | None):
     """A tensor getter for an HF model directory, or None (random init / Megatron checkpoint)."""
     if path is None:
         return None
-    from megatron_dynamo.models.checkpoint_io import HFCheckpointReader, is_model_checkpoint
 
     if is_model_checkpoint(path):
         return None
@@ -48,11 +59,8 @@ def hf_weight_source(path: str | None):
 def training_examples(run, tokenizer) -> list:
     """The run's training prompts (long ones left out under ``data.prompt_overflow: drop``); refuses a data set
     smaller than one step (one round of dynamic sampling)."""
-    from megatron_dynamo.trainer.preflight import load_examples
-
     examples = load_examples(run)
     if run.data.prompt_overflow == "drop":  # long prompts left out (the launcher's preflight accepted the share)
-        from megatron_dynamo.data.prompt_length import fitting_examples, prompt_token_lengths
 
         examples = fitting_examples(examples, prompt_token_lengths(examples, tokenizer, run.data.template),
                                     run.data.max_prompt_tokens)
@@ -69,11 +77,6 @@ def sampling_config(run, tokenizer, generation_config_to: Path | None = None):
     model's generation_config.json end tokens (its HF directory, a Megatron checkpoint's hf/, the tokenizer
     directory) and the template's end of turn. ``generation_config_to``: copy the generation config there (saved
     checkpoints and the exported model carry it from the tokenizer directory)."""
-    from megatron_dynamo.data.stopping import GenerationConfigError, copy_generation_config, stop_token_ids
-    from megatron_dynamo.rollout.interface import SamplingConfig
-
-    from megatron_dynamo.models.checkpoint_io import is_model_checkpoint
-
     model_dirs = [run.model.tokenizer]
     if run.model.checkpoint:  # an HF directory, or a Megatron checkpoint with its hf/
         checkpoint = run.model.checkpoint
@@ -98,9 +101,6 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
     group form one), started from the run's tokenizer and model config with random weights: the trainer's are
     loaded before the first rollout (no model file is written). The default group's rank 0 writes ``model_dir``.
     ``sleep_mode``: the engine sleeps while the trainer updates (colocated engines)."""
-    from megatron_dynamo.rollout.interface import create_engine as create
-    from megatron_dynamo.rollout.kv_cache import kv_cache_size
-
     if dist.get_rank() == 0:
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -108,7 +108,7 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
     dist.barrier()
     gpu = torch.cuda.is_available()
     dtype = rollout_dtype(run)
-    return create(run.rollout.engine, model=str(model_dir), tensor_parallel_size=run.rollout.tensor_parallel,
+    return create(run.rollout.engine, model=str(model_dir), tensor_parallel=run.rollout.tensor_parallel,
                   dtype="bfloat16" if dtype == torch.bfloat16 else "float32", max_model_len=max_model_len,
                   seed=run.trainer.seed, gpu_memory_utilization=run.rollout.gpu_memory_utilization,
                   enable_sleep_mode=sleep_mode and run.rollout.sleep_during_training and gpu,
@@ -119,14 +119,11 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
                   engine_kwargs={"load_format": "dummy"})
 
 
-def create_scorer(run, engine):
+def create_scorer(reward, engine):
     """The reward scorer of an engine leader (None on the engine's other ranks), with the ``reward`` section's
     limits."""
     if not engine.layout.is_leader:
         return None
-    from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
-
-    reward = run.reward
     return MathRewardScorer(reward_workers_per_scorer(engine.layout.tensor_parallel), reward.timeout_seconds,
                             max_batch_seconds=reward.batch_seconds or None, worker_memory_mb=reward.worker_memory_mb)
 
@@ -136,10 +133,6 @@ def evaluate_on_engines(run, engine, tokenizer, scorer, sampling, step: int, out
     """Collective over the engines' ranks: the periodic benchmark evaluation of the engines' current weights (those
     of ``step``); rank 0 of the group writes ``<output_dir>/eval/step_<N>`` (a resumed run finishes an interrupted
     one there) and gets the metrics, the others ``{}``."""
-    from megatron_dynamo.eval.runner import EvalError, evaluate, summary_metrics
-    from megatron_dynamo.models.checkpoint_dirs import step_dir_name
-    from megatron_dynamo.trainer.config import eval_config
-
     start = time.perf_counter()
     config = eval_config(run, stop_token_ids=sampling.stop_token_ids)
     try:

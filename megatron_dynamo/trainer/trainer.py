@@ -128,7 +128,7 @@ class Trainer:
         if self.groups is None:  # colocated: this rank hosts its part of an engine
             self.engine = create_engine(run, self.output_dir / "rollout_model", self.hf_config, self.tokenizer,
                                         self.engine_max_len, sleep_mode=True)
-            self.scorer = create_scorer(run, self.engine)
+            self.scorer = create_scorer(run.reward, self.engine)
             producer = RolloutProducer(run, self.examples, self.engine, self.scorer, self.sampler, self.history,
                                        self.tokenizer, self.sampling)
         self.runner = StepRunner(run, self.actor, self.pad_token_id, self.rollout_dtype, examples=self.examples,
