@@ -16,18 +16,22 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+from megatron.core import parallel_state, tensor_parallel
 
 from checkpoints_convert.launch import broadcast_from_driver, is_driver, run_ranks, under_launcher
 from megatron_dynamo.models.checkpoint_io import (SAFE_WEIGHTS_INDEX_NAME, CheckpointError, HFCheckpointReader,
                                                   SafetensorsShardWriter, atomic_output_dir, dtype_name,
-                                                  is_model_checkpoint, parse_qwen_config, read_checkpoint_info,
-                                                  read_hf_config, torch_dtype, write_checkpoint_info,
-                                                  write_hf_side_files)
+                                                  is_model_checkpoint, load_model_checkpoint, parse_qwen_config,
+                                                  read_checkpoint_info, read_hf_config, save_model_checkpoint,
+                                                  torch_dtype, write_checkpoint_info, write_hf_side_files)
 from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
 from megatron_dynamo.models.checkpoint_io.verify import verify_checkpoint, write_full_manifest
+from megatron_dynamo.models.export import iter_hf_weights
 from megatron_dynamo.models.mappings import (MappingError, check_hf_tensor_shapes, hf_parameter_shapes,
-                                             layer_mappings)
+                                             layer_mappings, load_hf_weights)
+from megatron_dynamo.models.megatron_model import MegatronModel
 from megatron_dynamo.models.qwen import QwenArchitecture, UnsupportedModelConfig
+from megatron_dynamo.parallel import runtime
 
 Log = Callable[[str], None]
 
@@ -156,11 +160,6 @@ def _output_dir(out: str | os.PathLike, force: bool) -> Iterator[Path]:
 # ------------------------------------------------------------------------------------------------ hf-to-megatron
 def _hf_to_megatron_rank(hf_dir: str, arch: QwenArchitecture, dtype: str, tp: int, pp: int, out: str,
                          quiet: bool, max_item_bytes: int) -> dict[str, Any]:
-    from megatron_dynamo.models.checkpoint_io import save_model_checkpoint
-    from megatron_dynamo.models.mappings import load_hf_weights
-    from megatron_dynamo.parallel import runtime
-    from megatron_dynamo.models.megatron_model import MegatronModel
-
     info = runtime.init_distributed(runtime.ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0)
     reader = HFCheckpointReader(hf_dir)
     # Each rank reads the tensors of its own pipeline stage; count them for the progress line.
@@ -247,11 +246,6 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 
 # ------------------------------------------------------------------------------------------------ megatron-to-hf
 def _megatron_to_hf_rank(megatron_dir: str, tp: int, pp: int, out: str, out_dtype: str, max_shard_bytes: int,
                          quiet: bool) -> dict[str, Any]:
-    from megatron_dynamo.models.checkpoint_io import load_model_checkpoint
-    from megatron_dynamo.models.export import iter_hf_weights
-    from megatron_dynamo.parallel import runtime
-    from megatron_dynamo.models.megatron_model import MegatronModel
-
     info = runtime.init_distributed(runtime.ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0)
     ckpt = read_checkpoint_info(megatron_dir)
     model = MegatronModel(ckpt.arch, dtype=ckpt.dtype, perform_initialization=False)
@@ -332,12 +326,6 @@ DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-1}
 
 
 def _verify_rank(megatron_dir: str, tp: int, pp: int, input_ids: torch.Tensor) -> torch.Tensor | None:
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_dynamo.models.checkpoint_io import load_model_checkpoint
-    from megatron_dynamo.parallel import runtime
-    from megatron_dynamo.models.megatron_model import MegatronModel
-
     runtime.init_distributed(runtime.ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0)
     ckpt = read_checkpoint_info(megatron_dir)
     model = MegatronModel(ckpt.arch, dtype=ckpt.dtype, perform_initialization=False)

@@ -17,6 +17,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from megatron_dynamo.models.checkpoint_io import CheckpointError
+from megatron_dynamo.models.mappings import MappingError
+from megatron_dynamo.models.qwen import UnsupportedModelConfig
 from megatron_dynamo.parallel import runtime
 from megatron_dynamo.parallel.spawn import RankError, run_on_ranks
 
@@ -87,13 +90,7 @@ def run_ranks(fn: Callable, world_size: int, *args) -> list[Any] | None:
             return [fn(*args)]
         finally:
             if started_here:
-                from megatron_dynamo.parallel import runtime
-
                 runtime.shutdown()
-    from megatron_dynamo.models.checkpoint_io import CheckpointError
-    from megatron_dynamo.models.mappings import MappingError
-    from megatron_dynamo.models.qwen import UnsupportedModelConfig
-
     # One line for the errors a user can act on, the traceback for anything else.
     return run_on_ranks(_call_without_rank, world_size, fn, *args,
                         user_errors=(CheckpointError, MappingError, UnsupportedModelConfig, RankError))
