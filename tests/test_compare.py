@@ -6,8 +6,10 @@ import sys
 import pytest
 
 from hf_reference import REPO
-from megatron_dynamo.commands.compare import (format_table, median_rollouts, moving_mean, parse_seeds, parse_variant,
-                                              rollouts_to_threshold, summarize_run, summarize_variant, tail_mean)
+from megatron_dynamo.experiments.comparison import format_table, summarize_variant
+from megatron_dynamo.experiments.variants import compare_variant as parse_variant
+from megatron_dynamo.report.thresholds import (median_rollouts, moving_mean, parse_seeds, rollouts_to_threshold,
+                                               summarize_run, tail_mean)
 
 
 def test_moving_mean_uses_full_windows_only():

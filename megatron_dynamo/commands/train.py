@@ -41,6 +41,8 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_dynamo.algorithms.baselines import algorithm_note
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="YAML recipe (see configs/); sections: model, parallel, data, rollout, "
@@ -127,8 +129,9 @@ def run(args) -> int:
         print(f"dynamo train: {_layout_line(cfg, job_world_size(cfg, args.nproc), launcher())}", flush=True)
         if prompt_note:
             print(f"dynamo train: {prompt_note}", flush=True)
-        if equals_grpo_note(cfg, args.algo):
-            print(f"dynamo train: {equals_grpo_note(cfg, args.algo)}", flush=True)
+        for note in (equals_grpo_note(cfg, args.algo), algorithm_note(args.algo, cfg.dynamo.loss.name)):
+            if note:
+                print(f"dynamo train: {note}", flush=True)
         if cfg.rollout.max_staleness and cfg.dynamo.loss.engine_is == "off":
             print(f"dynamo train: rollout.max_staleness={cfg.rollout.max_staleness} with dynamo.loss.engine_is=off: "
                   "the gradient ignores that the samples come from older weights (engine_is=truncate weighs each "

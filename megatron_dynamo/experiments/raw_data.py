@@ -1,6 +1,6 @@
 """The raw data of an ablation, small enough to commit: ``runs.csv`` (one row per run) and ``problems.csv.gz`` (per
 run, per held-out problem, the number of correct samples), written from the run directories of ``dynamo ablate``
-(``--raw-data DIR``) and read back by the preregistered analysis (``report/confirmatory.py``).
+(``--raw-data DIR``) and read back by the preregistered analysis (``experiments/confirmatory.py``).
 
 ``runs.csv`` columns: ``variant`` (the ``dynamo ablate`` variant, or ``sft`` for the warm-up every variant starts
 from), ``seed``, ``pass1`` and ``passk`` (held-out ``eval/avg/pass@1`` and ``pass@<k>`` of the final evaluation, as
@@ -22,6 +22,8 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
+
+from megatron_dynamo.report.runs import load_run
 
 RUNS_FILE = "runs.csv"
 PROBLEMS_FILE = "problems.csv.gz"
@@ -75,8 +77,6 @@ def problem_counts(samples_path: str) -> list[tuple[str, str, int, int]]:
 
 def run_row(run: FinishedRun, k: int) -> dict[str, Any]:
     """The ``runs.csv`` row of a finished run, from its metrics.jsonl (the last row holding an evaluation)."""
-    from megatron_dynamo.report.runs import load_run
-
     records = load_run(run.path).records
     evaluated = [r for r in records if "eval/avg/pass@1" in r]
     final = evaluated[-1] if evaluated else {}
