@@ -217,7 +217,9 @@ def test_algo_and_a_key_it_sets_give_one_run_or_a_one_line_error(tmp_path):
     for name, baseline in {**BASELINES, "grpo": None}.items():
         keys = {**GRPO_KEYS, **(baseline.keys() if baseline else {})}
         written = [f"{key}={json.dumps(value)}" for key, value in keys.items()]
-        assert load_run_config(CPU_DEFAULT, written, algo=name) == load_run_config(CPU_DEFAULT, [], algo=name), name
+        by_algo = load_run_config(CPU_DEFAULT, [], algo=name)
+        assert load_run_config(CPU_DEFAULT, written, algo=name) == by_algo, name
+        assert load_run_config(CPU_DEFAULT, written) == by_algo, name  # --algo X is exactly the keys it sets
     for algo, override in (("clip_cov", "dynamo.loss.name=kl_cov"), ("grpo", "dynamo.modulation.gc=true"),
                            ("clip_higher", "dynamo.loss.clip_high=0.3"), ("w_reinforce", "dynamo.loss.clip_ratio_c=3")):
         with pytest.raises(ConfigError) as error:

@@ -30,16 +30,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from megatron_dynamo.algorithms.baselines import BASELINES as BASELINE_ALGORITHMS
+from megatron_dynamo.algorithms.baselines import BASELINES as BASELINE_ALGORITHMS, GRPO_KEYS
 
 
 #: The learning rate of the high-lr grid: where GRPO degrades on the mechanism testbed (the probe of issue 32,
 #: docs/results/testbed.md; the recipe's own rate is 5e-5).
 HIGH_LR = "1.5e-4"
 #: The keys every variant sets explicitly, whatever the recipe says (``dynamo ablate`` refuses them as overrides).
-VARIANT_KEYS = ("dynamo.allocation.enabled", "dynamo.modulation.gc", "dynamo.modulation.ums",
-                "dynamo.allocation.power", "dynamo.modulation.pos_weight", "dynamo.loss.prompt_weight",
-                "dynamo.sampling.dynamic")
+VARIANT_KEYS = (*GRPO_KEYS, "dynamo.allocation.power", "dynamo.modulation.pos_weight", "dynamo.loss.prompt_weight",
+                "dynamo.sampling.dynamic")  # GRPO_KEYS: DRA, GC, UMS (what --algo grpo turns off)
 
 #: The keys ``dynamo ablate`` sets per run (passing them as overrides is an error).
 RESERVED_KEYS = ("trainer.seed", "trainer.output_dir", "evaluation.every", *VARIANT_KEYS)
