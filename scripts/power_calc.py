@@ -20,7 +20,7 @@ d_s = x_As - x_Bs over seeds (both variants start from the same SFT model and se
    P0, n0; sigma_train^2 = Var_s(d_s) - mean_s V_eval,s (at least 0) is the part that more evaluation cannot remove.
 3. **Design.** With S seeds, Var(mean d) = (sigma_train^2 + V_eval(P, n)) / S; a two-sided test at 5% has power
    1 - beta against an effect delta when delta / sqrt(Var) >= t_{S-1, 0.975} + t_{S-1, power} (Student t:
-   megatron_dynamo/report/paired_stats.py). Cost: one run takes t_train + P n t_gen seconds (t_train and the
+   megatron_dynamo/experiments/paired_stats.py). Cost: one run takes t_train + P n t_gen seconds (t_train and the
    per-sample generation time t_gen from the pilot's logs), runs go ``--jobs`` at a time, so a design of
    V variants x S seeds takes about ceil(V S / jobs) run times plus the shared SFT warm-up. The script lists, for
    each S, the smallest evaluation that reaches the power and the wall time it needs, and picks the cheapest design
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_dynamo.report.paired_stats import paired_t_power, t_quantile
+from megatron_dynamo.experiments.paired_stats import paired_t_power, t_quantile
 
 
 def _chi2_quantile(q: float, df: int, draws: int = 400_000) -> float:

@@ -16,12 +16,16 @@ import yaml
 from hf_reference import REPO
 from megatron_dynamo.cli import build_parser
 from megatron_dynamo.commands import ablate
-from megatron_dynamo.report.ablation_variants import CONTROLS, HIGH_LR
-from megatron_dynamo.report.ablation import (BASELINES, GROUPS, PAPER_AVG, PAPER_ORDER, TABLE1_ORDER, VARIANTS, analyse,
-                                             bootstrap_ci, format_markdown, main_table, marginal_effect,
-                                             paired_differences, parse_variants, realised_variance_ratio,
-                                             table1_table, zero_advantage_share)
-from megatron_dynamo.report.paper_tables import PAPER_BENCHMARKS, TABLE1, TABLE2
+from megatron_dynamo.experiments import executor
+from megatron_dynamo.experiments.analysis import analyse
+from megatron_dynamo.experiments.collector import run_state
+from megatron_dynamo.experiments.paper import PAPER_AVG, PAPER_BENCHMARKS, TABLE1, TABLE2
+from megatron_dynamo.experiments.plan import PLAN_FILE, RunSpec
+from megatron_dynamo.experiments.stats import (bootstrap_ci, marginal_effect, paired_differences,
+                                               realised_variance_ratio, zero_advantage_share)
+from megatron_dynamo.experiments.tables import format_markdown, main_table, table1_table
+from megatron_dynamo.experiments.variants import (BASELINES, CONTROLS, GROUPS, HIGH_LR, PAPER_ORDER, TABLE1_ORDER,
+                                                  VARIANT_KEYS, VARIANTS, parse_variants)
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -204,7 +208,7 @@ def test_the_controls_are_variants_that_change_only_their_own_keys():
         assert again == base[reference], name
     # every variant sets the same explicit keys, so a recipe cannot leak a control's switch into another variant
     keys = {tuple(item.split("=")[0] for item in v.overrides()[:7]) for v in VARIANTS.values()}
-    assert keys == {ablate.VARIANT_KEYS}
+    assert keys == {VARIANT_KEYS}
 
 
 def test_paper_tables_are_transcribed_consistently():
@@ -302,7 +306,7 @@ class FakeTrainer:
         sft_seed = seed if self.sft_per_seed else RECIPE_SEED
         assert kv["model.checkpoint"].endswith(os.path.join(f"sft/seed{sft_seed}/checkpoints", "step_000000"))
         assert os.path.isdir(kv["model.checkpoint"])  # its SFT run came first
-        dra, gc, ums = (kv[k] == "true" for k in ablate.VARIANT_KEYS[:3])
+        dra, gc, ums = (kv[k] == "true" for k in VARIANT_KEYS[:3])
         power = float(kv["dynamo.allocation.power"])
         algo = command[command.index("--algo") + 1]
         bump = 0.01 * (1 + BASELINES.index(algo)) if algo in BASELINES else 0.0  # a baseline's own effect
@@ -434,7 +438,7 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
     assert "2 seed(s)" in md and "crude" in md and "| DynaMO | dynamo |" in md
     assert "Baselines (paper Table 1 layout)" not in md  # none of the seven was run
     assert (out / "ablation.png").stat().st_size > 0 and (out / "report" / "report.html").is_file()
-    plan = json.loads((out / ablate.PLAN_FILE).read_text())
+    plan = json.loads((out / PLAN_FILE).read_text())
     assert plan["seeds"] == [1, 2] and plan["budget"]["rollouts_per_step"] == 32 * 8
 
 
@@ -499,7 +503,7 @@ def test_one_shared_warm_up_starts_every_seed(recipe, tmp_path, capsys):
     sft = _analysis(out)["per_variant"]["sft"]
     assert sft["runs"] == 2 and sft["pass@1"]["mean"] == pytest.approx(0.1 + 0.01 * RECIPE_SEED)
     assert sft["pass@1"]["lo"] == sft["pass@1"]["hi"] == pytest.approx(sft["pass@1"]["mean"])  # one model
-    assert json.loads((out / ablate.PLAN_FILE).read_text())["budget"]["sft"] == "shared"
+    assert json.loads((out / PLAN_FILE).read_text())["budget"]["sft"] == "shared"
 
 
 def test_the_table1_baselines_run_with_their_algo_and_the_same_statistics(recipe, tmp_path, capsys):
@@ -540,16 +544,16 @@ def test_jobs_run_concurrently_with_their_own_cores(recipe, tmp_path):
     assert ablate.run(_args(recipe, tmp_path / "j", "--seeds", "1,2", "--variants", "grpo,dynamo", "--jobs", "2"),
                       launch=fake) == 0
     assert len(fake.calls) == 6
-    slots = ablate.cpu_slots(2)
-    assert {e[ablate.CPUS_ENV] for e in launched} <= {",".join(map(str, s)) for s in slots}
+    slots = executor.cpu_slots(2)
+    assert {e[executor.CPUS_ENV] for e in launched} <= {",".join(map(str, s)) for s in slots}
     assert all(e["OMP_NUM_THREADS"] == str(len(slots[0])) for e in launched)
     # each variant started after its seed's SFT run (the fake asserts the SFT checkpoint path exists in its args)
     order = [_kind(c)[:2] for c in fake.calls]
     for seed in (1, 2):
         assert order.index(("sft", seed)) < order.index(("grpo", seed))
-    assert ablate.cpu_slots(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
-    assert ablate.cpu_slots(3, [0, 1]) == [[0], [1], [0]]
-    env = ablate.child_environment({"RANK": "0", "MASTER_PORT": "1", "PATH": "/bin"}, 1, [0])
+    assert executor.cpu_slots(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
+    assert executor.cpu_slots(3, [0, 1]) == [[0], [1], [0]]
+    env = executor.child_environment({"RANK": "0", "MASTER_PORT": "1", "PATH": "/bin"}, 1, [0])
     assert env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1"}
 
 
@@ -560,7 +564,7 @@ def test_a_changed_plan_is_refused(recipe, tmp_path, capsys):
     more = FakeTrainer()
     assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", "grpo,dynamo"), launch=more) == 0
     assert sorted(_kind(c)[:2] for c in more.calls) == [("dynamo", 1), ("dynamo", 2), ("grpo", 2), ("sft", 2)]
-    assert json.loads((out / ablate.PLAN_FILE).read_text())["variants"] == ["grpo", "dynamo"]
+    assert json.loads((out / PLAN_FILE).read_text())["variants"] == ["grpo", "dynamo"]
     capsys.readouterr()
     changed = FakeTrainer()
     assert ablate.run(_args(recipe, out, "--seeds", "1", "--variants", "grpo", "trainer.steps=8"),
@@ -600,13 +604,13 @@ def test_ablate_help_documents_every_option():
 def test_ctrl_c_stops_the_running_runs_and_leaves_none_behind(tmp_path):
     import threading
 
-    specs = [ablate.RunSpec(v, 1, str(tmp_path / v)) for v in ("grpo", "dynamo", "gc")]
+    specs = [RunSpec(v, 1, str(tmp_path / v)) for v in ("grpo", "dynamo", "gc")]
     script = ("import json, os, sys, time; json.dump({'pid': os.getpid(), 'sid': os.getsid(0), "
               "'cpus': sorted(os.sched_getaffinity(0)), 'threads': os.environ['OMP_NUM_THREADS']}, "
               "open(sys.argv[1] + '.tmp', 'w')); os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)")
     command_for = lambda spec, resume: [sys.executable, "-c", script, os.path.join(spec.output_dir, "pid")]  # noqa
-    slots = ablate.cpu_slots(2)
-    env_for = lambda slot: ablate.child_environment(os.environ, 2, slots[slot])  # noqa: E731
+    slots = executor.cpu_slots(2)
+    env_for = lambda slot: executor.child_environment(os.environ, 2, slots[slot])  # noqa: E731
     written = [os.path.join(s.output_dir, "pid") for s in specs[:2]]
 
     def interrupt():
@@ -621,10 +625,11 @@ def test_ctrl_c_stops_the_running_runs_and_leaves_none_behind(tmp_path):
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Thread(target=interrupt)
     timer.start()
-    launcher = ablate.SubprocessLauncher()
+    launcher = executor.SubprocessLauncher()
     try:
-        with pytest.raises(ablate.AblationInterrupted, match="0 of 3 runs finished"):
-            ablate.execute(specs, STEPS, command_for, launcher, jobs=2, env_for=env_for)
+        with pytest.raises(executor.ExperimentInterrupted, match="0 of 3 runs finished"):
+            executor.execute(specs, lambda spec: run_state(spec, STEPS), command_for, launcher, jobs=2,
+                             env_for=env_for)
     finally:
         timer.join()
         signal.signal(signal.SIGINT, previous)

@@ -203,6 +203,41 @@ def test_every_baseline_is_grpo_plus_its_change():
     assert (authors.dynamo.loss.clip_low, authors.dynamo.loss.clip_high) == (1.0, 1.0)
 
 
+def test_algo_and_a_key_it_sets_give_one_run_or_a_one_line_error(tmp_path):
+    """--algo X and the config keys X sets (dynamo.loss.name=clip_cov ...) written together: the same values give
+    the run of --algo X alone; another value is refused before anything runs (it was silently overruled)."""
+    import json
+    import subprocess
+    import sys
+
+    from megatron_dynamo.algorithms.baselines import GRPO_KEYS, algorithm_note
+    from megatron_dynamo.config import ConfigError
+    from megatron_dynamo.trainer.config import load_run_config
+
+    for name, baseline in {**BASELINES, "grpo": None}.items():
+        keys = {**GRPO_KEYS, **(baseline.keys() if baseline else {})}
+        written = [f"{key}={json.dumps(value)}" for key, value in keys.items()]
+        by_algo = load_run_config(CPU_DEFAULT, [], algo=name)
+        assert load_run_config(CPU_DEFAULT, written, algo=name) == by_algo, name
+        assert load_run_config(CPU_DEFAULT, written) == by_algo, name  # --algo X is exactly the keys it sets
+    for algo, override in (("clip_cov", "dynamo.loss.name=kl_cov"), ("grpo", "dynamo.modulation.gc=true"),
+                           ("clip_higher", "dynamo.loss.clip_high=0.3"), ("w_reinforce", "dynamo.loss.clip_ratio_c=3")):
+        with pytest.raises(ConfigError) as error:
+            load_run_config(CPU_DEFAULT, [override], algo=algo)
+        assert f"contradicts --algo {algo}" in str(error.value) and "\n" not in str(error.value)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT, "--algo", "clip_cov",
+                           "dynamo.loss.name=kl_cov", f"trainer.output_dir={out}"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("dynamo train: dynamo.loss.name=kl_cov contradicts")
+    assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+    # the loss key alone keeps --algo dynamo's DRA, GC and UMS: another run than --algo clip_cov, and train says so
+    alone = load_run_config(CPU_DEFAULT, ["dynamo.loss.name=clip_cov"])
+    assert alone.dynamo.loss.name == "clip_cov" and alone != load_run_config(CPU_DEFAULT, [], algo="clip_cov")
+    assert "--algo clip_cov" in algorithm_note("dynamo", "clip_cov")
+    assert algorithm_note("clip_cov", "clip_cov") is None and algorithm_note("dynamo", "ppo_clip") is None
+
+
 def test_w_reinforce_without_the_dual_clip_keeps_the_gradient_of_far_negative_tokens():
     # A = -1 at ratio e^1.5 = 4.5 > c = 3: the dual clip would take its gradient; W-REINFORCE now keeps it
     cfg = PolicyLossConfig(name="w_reinforce", clip_ratio_c=None)

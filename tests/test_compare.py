@@ -1,13 +1,18 @@
-"""`dynamo compare`: the threshold / median / final-reward arithmetic on metric lists (no training) and its --help."""
+"""`dynamo compare`: the threshold / median / final-reward arithmetic on metric lists (no training), its --help, and
+its plan run on the experiments executor with a fake trainer."""
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from hf_reference import REPO
-from megatron_dynamo.commands.compare import (format_table, median_rollouts, moving_mean, parse_seeds, parse_variant,
-                                              rollouts_to_threshold, summarize_run, summarize_variant, tail_mean)
+from megatron_dynamo.experiments.comparison import format_table, summarize_variant
+from megatron_dynamo.experiments.variants import compare_variant as parse_variant
+from megatron_dynamo.report.thresholds import (median_rollouts, moving_mean, parse_seeds, rollouts_to_threshold,
+                                               summarize_run, tail_mean)
 
 
 def test_moving_mean_uses_full_windows_only():
@@ -97,3 +102,60 @@ def test_compare_rejects_bad_arguments_before_any_run(tmp_path):
                               timeout=120, cwd=REPO)
         assert proc.returncode == 2 and "dynamo compare:" in proc.stderr, (extra, proc.stderr)
         assert not (tmp_path / "out").exists()
+
+
+def _compare_args(out, *extra):
+    from megatron_dynamo.cli import build_parser
+
+    args, rest = build_parser().parse_known_args(["compare", os.path.join(REPO, "configs", "cpu_default.yaml"), "trainer.steps=4",
+                                                  "--output-dir", str(out), "--window", "2", *extra])
+    args.overrides = [*args.overrides, *rest]
+    return args
+
+
+class FakeCompareTrainer:
+    """Stands in for `dynamo train` under `dynamo compare`: a metrics.jsonl whose rewards depend on the variant's
+    power and the seed, and the SFT line of a real run's log."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, command, env, log_path):
+        self.calls.append(list(command))
+        kv = dict(item.split("=", 1) for item in command if "=" in item and not item.startswith("-"))
+        algo = command[command.index("--algo") + 1]
+        lift = 0.0 if algo == "grpo" else 0.1 * float(kv["dynamo.allocation.power"])
+        rows = [{"step": s, "reward_mean": 0.3 + 0.1 * s + lift + 0.01 * int(kv["trainer.seed"]), "rollouts": 32}
+                for s in range(1, int(kv["trainer.steps"]) + 1)]
+        with open(f"{kv['trainer.output_dir']}/metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        with open(log_path, "a") as f:
+            f.write("SFT warm-up: 5 steps, loss 2.0 -> 1.5\n")
+        return 0
+
+
+def test_compare_runs_its_plan_on_the_experiments_executor(tmp_path, capsys):
+    from megatron_dynamo.commands import compare
+
+    out = tmp_path / "cmp"
+    fake = FakeCompareTrainer()
+    assert compare.run(_compare_args(out, "--seeds", "1,2", "--variants", "grpo,dynamo-p0.5"), launch=fake) == 0
+    # seed-major, each run with its variant's --algo and overrides, its seed and its own directory
+    assert [(c[c.index("--algo") + 1], c[-3]) for c in fake.calls] == [
+        ("grpo", f"trainer.output_dir={out}/grpo/seed1"), ("dynamo", f"trainer.output_dir={out}/dynamo-p0.5/seed1"),
+        ("grpo", f"trainer.output_dir={out}/grpo/seed2"), ("dynamo", f"trainer.output_dir={out}/dynamo-p0.5/seed2")]
+    assert "dynamo.allocation.power=0.5" in fake.calls[1] and "data.seed=2" in fake.calls[2]
+    result = json.loads((out / "comparison.json").read_text())
+    assert result["variants"] == ["grpo", "dynamo-p0.5"] and all(r["ok"] for r in result["runs"])
+    # dynamo-p0.5, seed 1: rewards 0.46, 0.56, 0.66, ...: the 2-step mean first reaches 0.6 at step 3 (96 rollouts)
+    run = next(r for r in result["runs"] if (r["variant"], r["seed"]) == ("dynamo-p0.5", 1))
+    assert (run["rollouts_to_threshold"], run["step_reached"]) == (96, 3) and run["sft_final_loss"] == "1.5"
+    assert result["warnings"] == [] and (out / "reward_curves.png").stat().st_size > 0
+    # --reuse: every run has its steps, none runs again; without it every run starts over
+    again = FakeCompareTrainer()
+    assert compare.run(_compare_args(out, "--seeds", "1,2", "--variants", "grpo,dynamo-p0.5", "--reuse"),
+                       launch=again) == 0
+    assert again.calls == [] and "reusing" in capsys.readouterr().out
+    rerun = FakeCompareTrainer()
+    assert compare.run(_compare_args(out, "--seeds", "1", "--variants", "grpo"), launch=rerun) == 0
+    assert len(rerun.calls) == 1

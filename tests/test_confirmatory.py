@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from hf_reference import REPO
-from megatron_dynamo.report.ablation_variants import HIGH_LR
-from megatron_dynamo.report.confirmatory import HYPOTHESES, SEEDS, analyse_runs, per_seed_contrast
-from megatron_dynamo.report.confirmatory_tables import committed_blocks, format_tables, replace_block
-from megatron_dynamo.report.paired_stats import holm, paired_t, paired_t_power, t_cdf, t_quantile
-from megatron_dynamo.report.raw_data import RUNS_COLUMNS, RUNS_FILE, read_runs
+from megatron_dynamo.experiments.variants import HIGH_LR
+from megatron_dynamo.experiments.confirmatory import HYPOTHESES, SEEDS, analyse_runs, per_seed_contrast
+from megatron_dynamo.experiments.confirmatory_tables import committed_blocks, format_tables, replace_block
+from megatron_dynamo.experiments.paired_stats import holm, paired_t, paired_t_power, t_cdf, t_quantile
+from megatron_dynamo.experiments.raw_data import RUNS_COLUMNS, RUNS_FILE, read_runs
 
 RESULTS = os.path.join(REPO, "docs", "results", "testbed.md")  # the testbed's results page
 CONFIRMATORY = os.path.join("benchmarks", "results", "confirmatory")

@@ -101,6 +101,8 @@ def test_site_roots_rebase_the_yaml_paths_and_explicit_overrides_win(monkeypatch
         load_recipe(recipe, ["trainer.step=3"])
     with pytest.raises(ConfigError, match="--algo"):
         load_recipe(recipe, [], algo="ppo")
+    with pytest.raises(ConfigError, match="contradicts --algo clip_cov"):
+        load_recipe(recipe, ["dynamo.loss.name=kl_cov"], algo="clip_cov")
 
 
 # ---------------------------------------------------------------------------------------------- entry points

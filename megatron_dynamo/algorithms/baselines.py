@@ -18,26 +18,82 @@ Pure torch: nothing here imports Megatron or vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import torch
+
+from megatron_dynamo.config import ConfigError, parse_yaml
 
 from .advantages import register_advantage_estimator
 from .config import PolicyLossConfig
 from .losses import (PolicyLossOutput, loss_agg, masked_mean, policy_ratio, ppo_clip_loss, register_policy_loss,
                      to_token_shape, update_metrics)
 
-#: name -> changes to the GRPO configuration: "loss" holds PolicyLossConfig fields, other keys DynamoConfig fields.
-BASELINES: dict[str, dict[str, Any]] = {
-    "clip_higher": {"loss": {"clip_low": 0.2, "clip_high": 0.28}},
-    "entropy_loss": {"loss": {"name": "entropy_loss"}},
-    "fork_tokens": {"loss": {"name": "fork_tokens"}},
-    "entropy_adv": {"loss": {"name": "entropy_adv"}},
-    "clip_cov": {"loss": {"name": "clip_cov"}},
-    "kl_cov": {"loss": {"name": "kl_cov"}},
+@dataclass(frozen=True)
+class Baseline:
+    """One baseline of the paper's Table 1, registered once: its row label in the paper, the PolicyLossConfig fields
+    it sets (``loss``; a ``name`` there is a policy loss registered below) and the DynamoConfig fields it sets
+    (``dynamo``). ``dynamo train --algo NAME`` applies both over GRPO (``trainer.config.with_algorithm``);
+    ``dynamo ablate``'s variant NAME (``experiments/variants.py``) takes its label from here."""
+
+    label: str
+    loss: Mapping[str, Any]
+    dynamo: Mapping[str, Any] = field(default_factory=dict)
+
+    def keys(self) -> dict[str, Any]:
+        """The config keys the baseline sets (``dynamo.loss.name`` ...) and their values."""
+        return {**{f"dynamo.loss.{k}": v for k, v in self.loss.items()},
+                **{f"dynamo.{k}": v for k, v in self.dynamo.items()}}
+
+
+#: name -> the baseline (``dynamo train --algo NAME``), in the paper's Table 1 order.
+BASELINES: dict[str, Baseline] = {
+    "clip_higher": Baseline("Clip-Higher", {"clip_low": 0.2, "clip_high": 0.28}),
+    "entropy_loss": Baseline("Entropy Loss", {"name": "entropy_loss"}),
+    "fork_tokens": Baseline("Fork Tokens", {"name": "fork_tokens"}),
+    "entropy_adv": Baseline("Entropy Advantages", {"name": "entropy_adv"}),
+    "clip_cov": Baseline("Clip-COV", {"name": "clip_cov"}),
+    "kl_cov": Baseline("KL-COV", {"name": "kl_cov"}),
     # W-REINFORCE without the dual clip (c = None): its source's PPO clip has none (issue 32)
-    "w_reinforce": {"loss": {"name": "w_reinforce", "clip_ratio_c": None}, "advantage_estimator": "reinforce_pm1"},
+    "w_reinforce": Baseline("W-REINFORCE", {"name": "w_reinforce", "clip_ratio_c": None},
+                            {"advantage_estimator": "reinforce_pm1"}),
 }
+#: What ``--algo grpo`` sets, and every baseline with it: dynamic allocation and both modulation factors off.
+GRPO_KEYS: dict[str, Any] = {"dynamo.allocation.enabled": False, "dynamo.modulation.gc": False,
+                             "dynamo.modulation.ums": False}
+
+
+def algorithm_keys(algo: str) -> dict[str, Any]:
+    """The config keys ``--algo algo`` sets and their values (none for ``dynamo``: the recipe as given)."""
+    if algo == "dynamo":
+        return {}
+    return {**GRPO_KEYS, **(BASELINES[algo].keys() if algo in BASELINES else {})}
+
+
+def check_algorithm_overrides(algo: str, overrides: Sequence[str]) -> None:
+    """``--algo X`` with an override of a key X sets: the same value gives the same run as ``--algo X`` alone;
+    another value is a one-line ConfigError (the two would otherwise give a run neither names)."""
+    wanted = algorithm_keys(algo)
+    for item in overrides:
+        key, _, text = item.partition("=")
+        key = key.strip()
+        if key in wanted and parse_yaml(text) != wanted[key]:
+            raise ConfigError(f"{item} contradicts --algo {algo}, which sets {key}={json.dumps(wanted[key])}: "
+                              f"give one of them")
+
+
+def algorithm_note(algo: str, loss_name: str) -> str | None:
+    """A note when the run's policy loss is a baseline's but ``--algo`` is not that baseline (e.g.
+    ``dynamo.loss.name=clip_cov`` alone keeps DRA, GC and UMS as the recipe sets them): a run neither names."""
+    owner = next((name for name, b in BASELINES.items() if b.loss.get("name") == loss_name), None)
+    if owner is None or owner == algo:
+        return None
+    return (f"note: dynamo.loss.name={loss_name} with --algo {algo} is {BASELINES[owner].label}'s loss inside "
+            f"--algo {algo}, not the paper's {BASELINES[owner].label} baseline (GRPO + that loss: --algo {owner})")
+
+
 #: policy losses that need ``selection`` (a mini-batch-wide choice of tokens made before the update)
 SELECTION_LOSSES = ("fork_tokens", "clip_cov", "kl_cov")
 
@@ -236,5 +292,5 @@ def reinforce_pm1_advantages(rewards: Any, prompt_ids: Any, normalize_std: bool 
     return torch.where(rewards_t > 0.5, 1.0, -1.0).to(dtype)
 
 
-__all__ = ["BASELINES", "SELECTION_LOSSES", "centred_covariance", "clip_cov_selection", "fork_token_weights",
+__all__ = ["BASELINES", "GRPO_KEYS", "Baseline", "algorithm_keys", "algorithm_note", "check_algorithm_overrides", "SELECTION_LOSSES", "centred_covariance", "clip_cov_selection", "fork_token_weights",
            "kl_cov_selection", "mini_batch_selection", "reinforce_pm1_advantages"]

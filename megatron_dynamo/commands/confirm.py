@@ -6,7 +6,7 @@ testbed's results page) from the committed raw data, and nothing else.
     dynamo confirm benchmarks/results/confirmatory --check docs/results/testbed.md  # exit 1 if the page differs
 
 DIR holds runs.csv (``dynamo ablate ... --raw-data DIR`` writes it). The analysis is fixed by the preregistration
-(docs/ablation.md, "Preregistration"; ``megatron_dynamo/report/confirmatory.py``): per hypothesis the per-seed
+(docs/ablation.md, "Preregistration"; ``megatron_dynamo/experiments/confirmatory.py``): per hypothesis the per-seed
 contrast of held-out pass@1 over the preregistered seeds, its two-sided paired Student t interval and p-value, Holm's
 adjustment over all tests, the verdict by the preregistered rule, and the answers to the controls' questions. In
 the page the tables sit between ``<!-- confirm:DIR -->`` and ``<!-- /confirm -->``; the test suite fails when that
@@ -29,8 +29,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from megatron_dynamo.report.confirmatory_tables import committed_blocks, format_tables, replace_block
-    from megatron_dynamo.report.raw_data import RUNS_FILE, read_runs
+    # lazy: the preregistered statistics (mpmath's Student t) add ~40 ms to every `dynamo --help`
+    from megatron_dynamo.experiments.confirmatory_tables import committed_blocks, format_tables, replace_block
+    from megatron_dynamo.experiments.raw_data import RUNS_FILE, read_runs
 
     source = os.path.normpath(args.directory)
     path = os.path.join(source, RUNS_FILE)

@@ -42,6 +42,7 @@ import os
 import sys
 
 from megatron_dynamo import library_logs
+from megatron_dynamo.algorithms.baselines import algorithm_note
 from megatron_dynamo.config import ConfigError
 from megatron_dynamo.launch.ranks import launch_training, resolve_topology
 from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
@@ -138,8 +139,9 @@ def _print_header(args, cfg, topology: JobTopology, prompt_note: str | None) -> 
     print(f"dynamo train: {_layout_line(cfg, topology, launcher())}", flush=True)
     if prompt_note:
         print(f"dynamo train: {prompt_note}", flush=True)
-    if equals_grpo_note(cfg, args.algo):
-        print(f"dynamo train: {equals_grpo_note(cfg, args.algo)}", flush=True)
+    for note in (equals_grpo_note(cfg, args.algo), algorithm_note(args.algo, cfg.dynamo.loss.name)):
+        if note:
+            print(f"dynamo train: {note}", flush=True)
     if cfg.rollout.max_staleness and cfg.dynamo.loss.engine_is == "off":
         print(f"dynamo train: rollout.max_staleness={cfg.rollout.max_staleness} with dynamo.loss.engine_is=off: "
               "the gradient ignores that the samples come from older weights (engine_is=truncate weighs each "

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from megatron_dynamo.algorithms.baselines import check_algorithm_overrides
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml
 from megatron_dynamo.parallel.topology import JobTopology, check_at_least_one, check_divides
 from megatron_dynamo.trainer.config import ALGORITHMS, RunConfig, load_run_config
@@ -146,6 +147,7 @@ def load_recipe(recipe: Recipe, overrides: list[str], algo: str = "dynamo") -> R
     config: the entry point applies ``algo`` (the task carries both, so the rendered task shows the recipe)."""
     if algo not in ALGORITHMS:
         raise ConfigError(f"--algo must be one of {ALGORITHMS}, got {algo!r}")
+    check_algorithm_overrides(algo, overrides)  # as dynamo train: --algo X and a key X sets, one value or an error
     return load_run_config(str(config_path(recipe)), overrides)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_dynamo.algorithms.advantages import registered_advantage_estimators
-from megatron_dynamo.algorithms.baselines import BASELINES
+from megatron_dynamo.algorithms.baselines import BASELINES, check_algorithm_overrides
 from megatron_dynamo.algorithms.config import (AllocationConfig, DynamicSamplingConfig, ModulationConfig,
                                                PolicyLossConfig)
 from megatron_dynamo.algorithms.losses import registered_policy_losses
@@ -381,8 +381,8 @@ def with_algorithm(run: RunConfig, algo: str) -> RunConfig:
     dynamo = replace(run.dynamo, allocation=replace(run.dynamo.allocation, enabled=False),
                      modulation=replace(run.dynamo.modulation, gc=False, ums=False))
     if algo in BASELINES:
-        changes = dict(BASELINES[algo])
-        dynamo = replace(dynamo, loss=replace(dynamo.loss, **changes.pop("loss", {})), **changes)
+        baseline = BASELINES[algo]
+        dynamo = replace(dynamo, loss=replace(dynamo.loss, **baseline.loss), **baseline.dynamo)
     return replace(run, dynamo=dynamo)
 
 
@@ -390,5 +390,6 @@ def load_run_config(path: str | None, overrides: list[str] | None = None, algo: 
     """Read a YAML recipe (or the defaults when ``path`` is None), apply overrides and --algo, validate all."""
     values = load_yaml(path) if path else {}
     run = with_algorithm(build(RunConfig, apply_overrides(values, overrides or [])), algo)
+    check_algorithm_overrides(algo, overrides or [])  # --algo X and a key X sets: one value, or an error
     validate_tree(run)
     return run

@@ -1,6 +1,6 @@
-"""``dynamo ablate``'s plan: which runs (the SFT warm-up and the variants, seed-major), their directories and train
-commands, the state of a run on disk (done / resume / fresh), and ``ablation_plan.json`` (what a later call must
-match). No process is started here."""
+"""The Plan stage: which runs an experiment makes (for ``dynamo ablate``: the SFT warm-up and the variants,
+seed-major), their directories and train commands, and ``ablation_plan.json`` (what a later call must match). No
+process is started here (:mod:`~megatron_dynamo.experiments.executor` runs the plan)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.report.ablation import SFT, VARIANTS
+from megatron_dynamo.experiments.variants import SFT, VARIANTS
+from megatron_dynamo.trainer.checkpoint import latest_checkpoint
 
 PLAN_FILE = "ablation_plan.json"
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One training run of the ablation: the SFT warm-up of a seed (``variant == "sft"``) or a variant."""
+    """One training run of an experiment: the SFT warm-up of a seed (``variant == "sft"``) or a variant."""
 
     variant: str
     seed: int
@@ -85,42 +86,10 @@ def variant_algo(variant: str) -> str:
     return "dynamo" if variant == SFT else VARIANTS[variant].algo
 
 
-def read_run(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(metrics records, prompts rows or None) of a run directory; empty when it has no metrics yet."""
-    from megatron_dynamo.report.runs import METRICS_FILE, load_run
-
-    if not os.path.isfile(os.path.join(path, METRICS_FILE)):
-        return [], None
-    run = load_run(path)
-    return run.records, run.prompts
-
-
-def checkpoints_of(path: str) -> list[int]:
-    """Steps of the complete checkpoints under ``<path>/checkpoints``."""
-    from megatron_dynamo.trainer.checkpoint import list_checkpoints
-
-    return [step for step, _ in list_checkpoints(os.path.join(path, "checkpoints"))]
-
-
 def sft_checkpoint(path: str) -> str | None:
-    from megatron_dynamo.trainer.checkpoint import latest_checkpoint
-
+    """The latest checkpoint of the SFT run in ``path`` (what every variant of its seeds starts from), or None."""
     latest = latest_checkpoint(os.path.join(path, "checkpoints"))
     return str(latest) if latest is not None else None
-
-
-def run_state(spec: RunSpec, steps: int) -> str:
-    """``done`` (reuse), ``resume`` (a checkpoint to continue from) or ``fresh`` (start over)."""
-    from megatron_dynamo.report.ablation import has_final_eval, training_rows
-
-    saved = checkpoints_of(spec.output_dir)
-    if spec.is_sft:
-        return "done" if 0 in saved else "fresh"
-    records, _ = read_run(spec.output_dir)
-    finished = {r["step"] for r in training_rows(records)} >= set(range(1, steps + 1))
-    if finished and has_final_eval(records, steps):
-        return "done"
-    return "resume" if saved else "fresh"
 
 
 def plan_record(config: str, overrides: Sequence[str], recipe: Mapping[str, Any], budget: Mapping[str, Any],

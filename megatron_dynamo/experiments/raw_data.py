@@ -1,6 +1,6 @@
 """The raw data of an ablation, small enough to commit: ``runs.csv`` (one row per run) and ``problems.csv.gz`` (per
 run, per held-out problem, the number of correct samples), written from the run directories of ``dynamo ablate``
-(``--raw-data DIR``) and read back by the preregistered analysis (``report/confirmatory.py``).
+(``--raw-data DIR``) and read back by the preregistered analysis (``experiments/confirmatory.py``).
 
 ``runs.csv`` columns: ``variant`` (the ``dynamo ablate`` variant, or ``sft`` for the warm-up every variant starts
 from), ``seed``, ``pass1`` and ``passk`` (held-out ``eval/avg/pass@1`` and ``pass@<k>`` of the final evaluation, as

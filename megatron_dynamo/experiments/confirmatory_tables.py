@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.report.ablation_variants import SFT, VARIANTS, display_order
-from megatron_dynamo.report.confirmatory import (ALPHA, DESCRIPTIVE, HYPOTHESES, SEEDS, analyse_runs)
-from megatron_dynamo.report.paired_stats import paired_t
+from megatron_dynamo.experiments.variants import SFT, VARIANTS, display_order
+from megatron_dynamo.experiments.confirmatory import (ALPHA, DESCRIPTIVE, HYPOTHESES, SEEDS, analyse_runs)
+from megatron_dynamo.experiments.paired_stats import paired_t
 
 BEGIN = "<!-- confirm:{} -->"
 END = "<!-- /confirm -->"

@@ -1,5 +1,8 @@
-"""The variants ``dynamo ablate`` runs: the DynaMO ablation (paper Table 2), the methods of the paper's Table 1, and
-the controls of issue 32 that name the mechanisms.
+"""The one registry of experiment variants: what ``dynamo ablate`` runs (the DynaMO ablation of paper Table 2, the
+methods of the paper's Table 1, the controls of issue 32 that name the mechanisms) and what ``dynamo compare`` runs
+(:func:`compare_variant`: grpo, dynamo, dynamo-p<P>). A variant names its ``--algo`` (the loss and config change of
+a Table 1 baseline are registered with its label in ``algorithms/baselines.py``, which the trainer's ``--algo``
+reads; the ablation variants and controls are registered here), its overrides and its label, here and nowhere else.
 
 A variant is ``(algo, overrides)``: the train command's ``--algo`` and the keys every variant sets explicitly
 (:data:`VARIANT_KEYS`: dynamo.allocation.enabled = DRA, dynamo.modulation.gc = GC, dynamo.modulation.ums = UMS,
@@ -24,16 +27,21 @@ DRA x GC x UMS variants), ``controls`` (pos_weight, dra-equal, grpo+ds, dynamo+d
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from megatron_dynamo.algorithms.baselines import BASELINES as BASELINE_ALGORITHMS, GRPO_KEYS
 
 
 #: The learning rate of the high-lr grid: where GRPO degrades on the mechanism testbed (the probe of issue 32,
 #: docs/results/testbed.md; the recipe's own rate is 5e-5).
 HIGH_LR = "1.5e-4"
 #: The keys every variant sets explicitly, whatever the recipe says (``dynamo ablate`` refuses them as overrides).
-VARIANT_KEYS = ("dynamo.allocation.enabled", "dynamo.modulation.gc", "dynamo.modulation.ums",
-                "dynamo.allocation.power", "dynamo.modulation.pos_weight", "dynamo.loss.prompt_weight",
-                "dynamo.sampling.dynamic")
+VARIANT_KEYS = (*GRPO_KEYS, "dynamo.allocation.power", "dynamo.modulation.pos_weight", "dynamo.loss.prompt_weight",
+                "dynamo.sampling.dynamic")  # GRPO_KEYS: DRA, GC, UMS (what --algo grpo turns off)
+
+#: The keys ``dynamo ablate`` sets per run (passing them as overrides is an error).
+RESERVED_KEYS = ("trainer.seed", "trainer.output_dir", "evaluation.every", *VARIANT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -69,8 +77,9 @@ class AblationVariant:
         return self.kind == "ablation" and self.power == 1.0
 
 
-def _baseline(name: str, label: str) -> AblationVariant:
-    return AblationVariant(name, False, False, False, 1.0, label, algo=name, kind="baseline")
+def _baseline(name: str) -> AblationVariant:
+    """A Table 1 baseline: GRPO's switches, ``--algo NAME``, the label registered with its loss."""
+    return AblationVariant(name, False, False, False, 1.0, BASELINE_ALGORITHMS[name].label, algo=name, kind="baseline")
 
 
 def _control(name: str, label: str, dra: bool = False, gc: bool = False, ums: bool = False, **changes) -> AblationVariant:
@@ -89,13 +98,7 @@ VARIANTS: dict[str, AblationVariant] = {v.name: v for v in (
     AblationVariant("gc+ums", False, True, True, 1.0, "w/o DRA"),
     AblationVariant("dynamo", True, True, True, 1.0, "DynaMO"),
     AblationVariant("dynamo-p0.5", True, True, True, 0.5, "DynaMO, power 0.5"),
-    _baseline("clip_higher", "Clip-Higher"),
-    _baseline("entropy_loss", "Entropy Loss"),
-    _baseline("fork_tokens", "Fork Tokens"),
-    _baseline("entropy_adv", "Entropy Advantages"),
-    _baseline("clip_cov", "Clip-COV"),
-    _baseline("kl_cov", "KL-COV"),
-    _baseline("w_reinforce", "W-REINFORCE"),
+    *(_baseline(name) for name in BASELINE_ALGORITHMS),
     _control("pos_weight", "GRPO, positive A x (1 + alpha)", pos_weight=True),
     _control("dra-equal", "DRA, prompts weighted equally", dra=True, prompt_weight="equal"),
     _control("grpo+ds", "GRPO + dynamic sampling", dynamic=True),
@@ -157,3 +160,28 @@ def variant_with(dra: bool, gc: bool, ums: bool) -> str:
 def display_order(variants: list[str] | tuple[str, ...]) -> list[str]:
     """Every variant of ``variants`` once: the Table 2 rows (paper order), the Table 1 baselines, the controls."""
     return [v for v in (*PAPER_ORDER, *BASELINES, *CONTROLS) if v in variants]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A ``dynamo compare`` variant: the recipe with ``--algo algo`` and ``overrides`` (only what it changes)."""
+
+    name: str
+    algo: str
+    overrides: tuple[str, ...]
+
+
+def compare_variant(name: str) -> Variant:
+    """``grpo`` | ``dynamo`` | ``dynamo-p<power>`` -> the train command's --algo and overrides."""
+    name = name.strip()
+    if name == "grpo":
+        return Variant(name, "grpo", ())
+    if name == "dynamo":
+        return Variant(name, "dynamo", ("dynamo.allocation.power=1.0",))
+    match = re.fullmatch(r"dynamo-p(\d+(?:\.\d*)?|\.\d+)", name)
+    if match:
+        power = float(match.group(1))
+        if power <= 0:
+            raise ValueError(f"variant {name!r}: the power must be > 0")
+        return Variant(name, "dynamo", (f"dynamo.allocation.power={power}",))
+    raise ValueError(f"unknown variant {name!r}: use grpo, dynamo or dynamo-p<power> (e.g. dynamo-p0.5)")

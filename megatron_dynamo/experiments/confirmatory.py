@@ -4,7 +4,7 @@ docs/results/testbed.md, by one command (``dynamo confirm DIR``).
 Everything the preregistration fixes before the runs is a constant here: the seeds (:data:`SEEDS`, 6..15; the
 high-learning-rate grid :data:`HIGH_LR_SEEDS`, 6..13), the hypotheses (:data:`HYPOTHESES`: each a contrast, i.e.
 per seed the mean over its pairs of variant a - variant b of held-out pass@1, a seed counting only when every pair
-has it), the test (two-sided paired Student t, :mod:`~megatron_dynamo.report.paired_stats`), the family (all of
+has it), the test (two-sided paired Student t, :mod:`~megatron_dynamo.experiments.paired_stats`), the family (all of
 :data:`HYPOTHESES`, Holm-adjusted at :data:`ALPHA`) and the decision rules (:func:`verdict`, :func:`answers`).
 Nothing is estimated from the data but the numbers in the tables. Pure numpy/mpmath: no run is read, only the CSV.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.report.ablation_variants import HIGH_LR
-from megatron_dynamo.report.paired_stats import holm, paired_t
+from megatron_dynamo.experiments.variants import HIGH_LR
+from megatron_dynamo.experiments.paired_stats import holm, paired_t
 
 SEEDS = tuple(range(6, 16))
 HIGH_LR_SEEDS = tuple(range(6, 14))

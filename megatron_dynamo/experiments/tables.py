@@ -1,15 +1,15 @@
 """The Markdown tables of ``dynamo ablate`` (``ablation.md``): the baselines in the paper's Table 1 layout, the
 ablation in its Table 2 layout, the effects, and the diagnostics; the paper's numbers beside ours
-(:mod:`megatron_dynamo.report.paper_tables`). Input: the dict of :func:`megatron_dynamo.report.ablation.analyse`.
+(:mod:`megatron_dynamo.experiments.paper`). Input: the dict of :func:`megatron_dynamo.experiments.analysis.analyse`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.report.ablation_variants import (BASELINES, COMPONENT_LABELS, COMPONENTS, CONTROLS, PAPER_ORDER,
+from megatron_dynamo.experiments.variants import (BASELINES, COMPONENT_LABELS, COMPONENTS, CONTROLS, PAPER_ORDER,
                                                       SFT, TABLE1_ORDER, display_order)
-from megatron_dynamo.report.paper_tables import PAPER_AVG, PAPER_K, TABLE1, table1_avg
+from megatron_dynamo.experiments.paper import PAPER_AVG, PAPER_K, TABLE1, table1_avg
 
 
 def _pct(value: float | None, signed: bool = False) -> str:

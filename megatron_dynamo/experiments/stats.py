@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from megatron_dynamo.report.ablation_variants import COMPONENTS, variant_with
+from megatron_dynamo.experiments.variants import COMPONENTS, variant_with
 from megatron_dynamo.report.thresholds import head_mean, summarize_run, tail_mean
 
 # Per-step diagnostics averaged per run, then over seeds (docs/metrics.md).
