@@ -74,21 +74,19 @@ def _positive(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{hf-to-megatron,megatron-to-hf,verify,sign}")
+def _add_layout_and_console(p: argparse.ArgumentParser, layout_help: str) -> None:
+    """--tp / --pp (what they mean for this command: ``layout_help``), --quiet and --verbose."""
+    p.add_argument("--tp", type=_positive, default=1, metavar="N",
+                   help=f"tensor-parallel size {layout_help} (default 1)")
+    p.add_argument("--pp", type=_positive, default=1, metavar="N",
+                   help=f"pipeline-parallel size {layout_help} (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (errors still print)")
+    p.add_argument("--verbose", action="store_true",
+                   help="the libraries' own warnings and progress bars too (left out by default, as in training)")
 
-    def common(p: argparse.ArgumentParser, layout_help: str) -> None:
-        p.add_argument("--tp", type=_positive, default=1, metavar="N",
-                       help=f"tensor-parallel size {layout_help} (default 1)")
-        p.add_argument("--pp", type=_positive, default=1, metavar="N",
-                       help=f"pipeline-parallel size {layout_help} (default 1)")
-        p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (errors still print)")
-        p.add_argument("--verbose", action="store_true",
-                       help="the libraries' own warnings and progress bars too (left out by default, as in training)")
 
+def _add_hf_to_megatron(sub) -> None:
+    """The ``hf-to-megatron`` subcommand."""
     h2m = sub.add_parser(
         "hf-to-megatron", help="HF safetensors -> Megatron distributed checkpoint",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -108,8 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "buffers more than one piece (default 16MiB)")
     h2m.add_argument("--force", action="store_true", help="replace --out if it holds a Megatron checkpoint (or is "
                      "empty), atomically, on success; anything else is refused")
-    common(h2m, "to shard the model with while converting; the checkpoint itself loads at any layout")
+    _add_layout_and_console(h2m, "to shard the model with while converting; the checkpoint itself loads at any layout")
 
+
+def _add_megatron_to_hf(sub) -> None:
+    """The ``megatron-to-hf`` subcommand."""
     m2h = sub.add_parser(
         "megatron-to-hf", help="Megatron checkpoint -> HF safetensors + index + config.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -133,8 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "gets a shard of its own)")
     m2h.add_argument("--force", action="store_true", help="replace --out if it holds an HF model (or is empty), "
                      "atomically, on success; anything else is refused")
-    common(m2h, "to load the checkpoint with before gathering")
+    _add_layout_and_console(m2h, "to load the checkpoint with before gathering")
 
+
+def _add_verify(sub) -> None:
+    """The ``verify`` subcommand."""
     ver = sub.add_parser(
         "verify", help="compare HF transformers logits with the Megatron model's",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -150,8 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--batch-size", type=_positive, default=2, metavar="B", help="sequences in the batch (default 2)")
     ver.add_argument("--seq-len", type=_positive, default=32, metavar="S", help="tokens per sequence (default 32)")
     ver.add_argument("--seed", type=int, default=0, help="seed of the random token batch (default 0)")
-    common(ver, "to load the Megatron checkpoint with")
+    _add_layout_and_console(ver, "to load the Megatron checkpoint with")
 
+
+def _add_sign(sub) -> None:
+    """The ``sign`` subcommand."""
     sign = sub.add_parser(
         "sign", help="write the manifest of a Megatron checkpoint you trust, signed with the configured key",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -162,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
             existed or before a key was configured. Refused when the files no longer match an existing manifest,
             or when a pickle of the checkpoint holds anything but data."""))
     sign.add_argument("directory", metavar="DIR", help="Megatron model checkpoint directory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{hf-to-megatron,megatron-to-hf,verify,sign}")
+    for add in (_add_hf_to_megatron, _add_megatron_to_hf, _add_verify, _add_sign):
+        add(sub)
     return parser
 
 

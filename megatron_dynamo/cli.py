@@ -25,7 +25,7 @@ from megatron_dynamo import library_logs
 # imports this main module first: the console policy of the command reaches them before any library logs a line.
 library_logs.apply_from_environment()
 
-# name -> (module, one-line help). The module provides add_arguments(parser) and run(args) -> int.
+# name -> (module, one-line help). The module provides add_arguments(parser) and main(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("megatron_dynamo.commands.info", "show versions and what this machine can run (CUDA, TE, vLLM)"),
     "smoke": ("megatron_dynamo.commands.smoke", "train a model a few steps on random tokens (stack check)"),
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    return int(module.main(args) or 0)
 
 
 if __name__ == "__main__":

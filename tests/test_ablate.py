@@ -384,7 +384,7 @@ def _analysis(out):
 def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_path, capsys):
     variants = "grpo,dra,gc,ums,dra+gc,dra+ums,gc+ums,dynamo,dynamo-p0.5"
     whole = FakeTrainer()
-    assert ablate.run(_args(recipe, tmp_path / "a", "--seeds", "1,2", "--variants", variants), launch=whole) == 0
+    assert ablate.main(_args(recipe, tmp_path / "a", "--seeds", "1,2", "--variants", variants), launch=whole) == 0
     assert len(whole.calls) == 2 * (1 + 9)
     kinds = [_kind(c) for c in whole.calls]
     assert kinds[0] == ("sft", 1, False) and kinds[10] == ("sft", 2, False)  # seed-major, SFT first
@@ -394,13 +394,13 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
     # interrupted during the 4th run (gc, seed 1) after step 3 (checkpoint at step 2)
     out = tmp_path / "b"
     first = FakeTrainer(interrupt=(4, 3))
-    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", variants), launch=first) == 130
+    assert ablate.main(_args(recipe, out, "--seeds", "1,2", "--variants", variants), launch=first) == 130
     assert len(first.calls) == 4
     assert "run the same command again to resume" in capsys.readouterr().err
     (out / "runs" / "ums" / "seed1").mkdir(parents=True)  # a run that started but saved nothing: redone
     (out / "runs" / "ums" / "seed1" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.9}\n')
     second = FakeTrainer()
-    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", variants), launch=second) == 0
+    assert ablate.main(_args(recipe, out, "--seeds", "1,2", "--variants", variants), launch=second) == 0
     kinds = [_kind(c) for c in second.calls]
     assert kinds[0] == ("gc", 1, True)  # the unfinished run with a checkpoint continues
     assert ("sft", 1, False) not in kinds and ("grpo", 1, False) not in kinds and ("dra", 1, False) not in kinds
@@ -411,7 +411,7 @@ def test_ablation_with_a_fake_trainer_resumes_after_an_interrupt(recipe, tmp_pat
 
     # everything done: a third call runs nothing and re-tabulates (another threshold is fine)
     third = FakeTrainer()
-    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", variants, "--threshold", "0.5"),
+    assert ablate.main(_args(recipe, out, "--seeds", "1,2", "--variants", variants, "--threshold", "0.5"),
                       launch=third) == 0
     assert third.calls == []
     result = json.loads((out / "ablation.json").read_text())
@@ -447,11 +447,11 @@ def test_raw_data_holds_every_finished_run_of_the_plan(recipe, tmp_path, capsys)
 
     out, raw = tmp_path / "r", tmp_path / "raw"
     fake = FakeTrainer(sft_per_seed=False)
-    assert ablate.run(_args(recipe, out, "--seeds", "1", "--variants", "grpo,pos_weight,grpo-hlr", "--shared-sft",
+    assert ablate.main(_args(recipe, out, "--seeds", "1", "--variants", "grpo,pos_weight,grpo-hlr", "--shared-sft",
                             "--raw-data", str(raw)), launch=fake) == 0
     assert sorted(_kind(c)[0] for c in fake.calls) == ["grpo", "grpo-hlr", "pos_weight", "sft"]
     # a second call adds a seed and a variant; the raw data then covers both calls' runs (the plan's union)
-    assert ablate.run(_args(recipe, out, "--seeds", "2", "--variants", "dra", "--shared-sft", "--raw-data", str(raw)),
+    assert ablate.main(_args(recipe, out, "--seeds", "2", "--variants", "dra", "--shared-sft", "--raw-data", str(raw)),
                       launch=FakeTrainer(sft_per_seed=False)) == 0
     lines = (raw / "runs.csv").read_text().splitlines()
     assert lines[0] == "variant,seed,pass1,passk,k,train_rollouts,steps,wall_seconds"
@@ -472,7 +472,7 @@ def test_raw_data_holds_every_finished_run_of_the_plan(recipe, tmp_path, capsys)
                             "pos_weight,1,held,q0,4,1", "pos_weight,1,held,q1,4,2", "grpo-hlr,1,held,q0,4,1",
                             "grpo-hlr,1,held,q1,4,2"]
     first = (raw / "problems.csv.gz").read_bytes()
-    assert ablate.run(_args(recipe, out, "--seeds", "2", "--variants", "dra", "--shared-sft", "--raw-data", str(raw)),
+    assert ablate.main(_args(recipe, out, "--seeds", "2", "--variants", "dra", "--shared-sft", "--raw-data", str(raw)),
                       launch=FakeTrainer(sft_per_seed=False)) == 0
     assert (raw / "problems.csv.gz").read_bytes() == first  # no timestamp: the same runs give the same bytes
 
@@ -483,7 +483,7 @@ def test_sigint_stops_an_ablation_started_with_sigint_ignored(recipe, tmp_path, 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         trainer = FakeTrainer(interrupt=(2, 3), by_signal=True)
-        code = ablate.run(_args(recipe, tmp_path / "a", "--seeds", "1", "--variants", "grpo,dynamo"), launch=trainer)
+        code = ablate.main(_args(recipe, tmp_path / "a", "--seeds", "1", "--variants", "grpo,dynamo"), launch=trainer)
     finally:
         restored = signal.signal(signal.SIGINT, previous)
     assert code == 130 and len(trainer.calls) == 2
@@ -494,7 +494,7 @@ def test_sigint_stops_an_ablation_started_with_sigint_ignored(recipe, tmp_path, 
 def test_one_shared_warm_up_starts_every_seed(recipe, tmp_path, capsys):
     fake = FakeTrainer(sft_per_seed=False)
     out = tmp_path / "s"
-    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", "grpo,dynamo", "--shared-sft"),
+    assert ablate.main(_args(recipe, out, "--seeds", "1,2", "--variants", "grpo,dynamo", "--shared-sft"),
                       launch=fake) == 0
     kinds = [_kind(c) for c in fake.calls]
     assert kinds[0] == ("sft", RECIPE_SEED, False) and len(kinds) == 1 + 2 * 2
@@ -509,7 +509,7 @@ def test_one_shared_warm_up_starts_every_seed(recipe, tmp_path, capsys):
 def test_the_table1_baselines_run_with_their_algo_and_the_same_statistics(recipe, tmp_path, capsys):
     fake = FakeTrainer(sft_per_seed=False)
     out = tmp_path / "t1"
-    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", "table1,gc", "--shared-sft"),
+    assert ablate.main(_args(recipe, out, "--seeds", "1,2", "--variants", "table1,gc", "--shared-sft"),
                       launch=fake) == 0
     kinds = [_kind(c) for c in fake.calls]
     assert kinds[0] == ("sft", RECIPE_SEED, False) and len(kinds) == 1 + 2 * 10
@@ -541,7 +541,7 @@ def test_jobs_run_concurrently_with_their_own_cores(recipe, tmp_path):
             return super().__call__(command, env, log_path)
 
     fake = Recording()
-    assert ablate.run(_args(recipe, tmp_path / "j", "--seeds", "1,2", "--variants", "grpo,dynamo", "--jobs", "2"),
+    assert ablate.main(_args(recipe, tmp_path / "j", "--seeds", "1,2", "--variants", "grpo,dynamo", "--jobs", "2"),
                       launch=fake) == 0
     assert len(fake.calls) == 6
     slots = executor.cpu_slots(2)
@@ -559,15 +559,15 @@ def test_jobs_run_concurrently_with_their_own_cores(recipe, tmp_path):
 
 def test_a_changed_plan_is_refused(recipe, tmp_path, capsys):
     out = tmp_path / "p"
-    assert ablate.run(_args(recipe, out, "--seeds", "1", "--variants", "grpo"), launch=FakeTrainer()) == 0
+    assert ablate.main(_args(recipe, out, "--seeds", "1", "--variants", "grpo"), launch=FakeTrainer()) == 0
     # more seeds and variants: fine, only the new runs execute
     more = FakeTrainer()
-    assert ablate.run(_args(recipe, out, "--seeds", "1,2", "--variants", "grpo,dynamo"), launch=more) == 0
+    assert ablate.main(_args(recipe, out, "--seeds", "1,2", "--variants", "grpo,dynamo"), launch=more) == 0
     assert sorted(_kind(c)[:2] for c in more.calls) == [("dynamo", 1), ("dynamo", 2), ("grpo", 2), ("sft", 2)]
     assert json.loads((out / PLAN_FILE).read_text())["variants"] == ["grpo", "dynamo"]
     capsys.readouterr()
     changed = FakeTrainer()
-    assert ablate.run(_args(recipe, out, "--seeds", "1", "--variants", "grpo", "trainer.steps=8"),
+    assert ablate.main(_args(recipe, out, "--seeds", "1", "--variants", "grpo", "trainer.steps=8"),
                       launch=changed) == 2
     err = capsys.readouterr().err
     assert err.startswith("dynamo ablate:") and "differs" in err and len(err.strip().splitlines()) == 1
@@ -584,7 +584,7 @@ def test_bad_arguments_fail_before_any_run(recipe, tmp_path, capsys):
              (recipe, ["--seeds", "1,1"]), (str(no_eval), [])]
     for config, extra in cases:
         fake = FakeTrainer()
-        assert ablate.run(_args(config, tmp_path / "bad", *extra), launch=fake) == 2, extra
+        assert ablate.main(_args(config, tmp_path / "bad", *extra), launch=fake) == 2, extra
         err = capsys.readouterr().err
         assert err.startswith("dynamo ablate:") and len(err.strip().splitlines()) == 1, err
         assert fake.calls == [] and not (tmp_path / "bad").exists()

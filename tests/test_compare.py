@@ -139,7 +139,7 @@ def test_compare_runs_its_plan_on_the_experiments_executor(tmp_path, capsys):
 
     out = tmp_path / "cmp"
     fake = FakeCompareTrainer()
-    assert compare.run(_compare_args(out, "--seeds", "1,2", "--variants", "grpo,dynamo-p0.5"), launch=fake) == 0
+    assert compare.main(_compare_args(out, "--seeds", "1,2", "--variants", "grpo,dynamo-p0.5"), launch=fake) == 0
     # seed-major, each run with its variant's --algo and overrides, its seed and its own directory
     assert [(c[c.index("--algo") + 1], c[-3]) for c in fake.calls] == [
         ("grpo", f"trainer.output_dir={out}/grpo/seed1"), ("dynamo", f"trainer.output_dir={out}/dynamo-p0.5/seed1"),
@@ -153,9 +153,9 @@ def test_compare_runs_its_plan_on_the_experiments_executor(tmp_path, capsys):
     assert result["warnings"] == [] and (out / "reward_curves.png").stat().st_size > 0
     # --reuse: every run has its steps, none runs again; without it every run starts over
     again = FakeCompareTrainer()
-    assert compare.run(_compare_args(out, "--seeds", "1,2", "--variants", "grpo,dynamo-p0.5", "--reuse"),
+    assert compare.main(_compare_args(out, "--seeds", "1,2", "--variants", "grpo,dynamo-p0.5", "--reuse"),
                        launch=again) == 0
     assert again.calls == [] and "reusing" in capsys.readouterr().out
     rerun = FakeCompareTrainer()
-    assert compare.run(_compare_args(out, "--seeds", "1", "--variants", "grpo"), launch=rerun) == 0
+    assert compare.main(_compare_args(out, "--seeds", "1", "--variants", "grpo"), launch=rerun) == 0
     assert len(rerun.calls) == 1

@@ -226,7 +226,7 @@ def test_dynamo_eval_takes_hub_ids(offline, tmp_path, capsys):
     eval_command.add_arguments(parser)
     for argv, flag in ((["--checkpoint", MISSING_ID], "--checkpoint"),
                        (["--checkpoint", str(model_dir), "--tokenizer", MISSING_ID], "--tokenizer")):
-        assert eval_command.run(parser.parse_args([*argv, "--output", str(tmp_path / "eval")])) == 2
+        assert eval_command.main(parser.parse_args([*argv, "--output", str(tmp_path / "eval")])) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"dynamo eval: {flag} {MISSING_ID} is no local directory")
         assert str(cache) in lines[0]

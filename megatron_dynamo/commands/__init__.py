@@ -1,1 +1,1 @@
-"""One module per `dynamo` subcommand: add_arguments(parser) and run(args) -> exit code."""
+"""One module per `dynamo` subcommand: add_arguments(parser) and main(args) -> exit code."""

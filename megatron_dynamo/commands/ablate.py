@@ -117,7 +117,7 @@ def add_arguments(parser) -> None:
                              "(default outputs/ablate)")
 
 
-def run(args, launch=None) -> int:
+def main(args, launch=None) -> int:
     """Plan, run, collect, analyse, write (``experiments/ablation.py``); ``launch(command, env, log_path)`` runs one
     train command (a fake in tests)."""
     # lazy: the experiments layer (checkpoint readers, the statistics) adds ~100 ms to every `dynamo --help`

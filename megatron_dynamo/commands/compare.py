@@ -58,7 +58,7 @@ def add_arguments(parser) -> None:
                              "without it every run starts over in an emptied directory")
 
 
-def run(args, launch=None) -> int:
+def main(args, launch=None) -> int:
     """Plan, run, tabulate, write (``experiments/comparison.py``); ``launch(command, env, log_path)`` runs one
     train command (a fake in tests)."""
     # lazy: the experiments layer (checkpoint readers, the statistics) adds ~100 ms to every `dynamo --help`

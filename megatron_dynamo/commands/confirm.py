@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
                         help="exit 1 when this Markdown file's block differs from the tables (or is missing)")
 
 
-def run(args) -> int:
+def main(args) -> int:
     # lazy: the preregistered statistics (mpmath's Student t) add ~40 ms to every `dynamo --help`
     from megatron_dynamo.experiments.confirmatory_tables import committed_blocks, format_tables, replace_block
     from megatron_dynamo.experiments.raw_data import RUNS_FILE, read_runs

@@ -69,7 +69,7 @@ def _list(args) -> int:
     return 0
 
 
-def run(args) -> int:
+def main(args) -> int:
     if args.action == "list":
         return _list(args)
     try:

@@ -216,7 +216,7 @@ def _check_inputs(args) -> tuple[EvalConfig, Any]:
     return config, source
 
 
-def run(args) -> int:
+def main(args) -> int:
     library_logs.apply(args.verbose)  # the table and the progress, not vLLM's start-up chatter (see library_logs)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -4,9 +4,13 @@ be reused (same checkpoint files, same arguments) or cleared (``--overwrite``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
+
+from megatron_dynamo.eval.model_source import checkpoint_identity
+from megatron_dynamo.eval.runner import SAMPLES_FILE, SETTINGS_FILE, SUMMARY_FILE
 
 FINISHED_FILE = "finished.json"
 #: The arguments a finished evaluation depends on (the others, --nproc, --problems-per-batch..., change no sample).
@@ -16,15 +20,11 @@ RESULT_ARGS = ("benchmarks", "data_dir", "n", "k", "temperature", "top_p", "max_
 
 def default_output(source: Path, name: str) -> Path:
     """``outputs/eval/<name>-<8 hex of the checkpoint's absolute path>``: every checkpoint its own directory."""
-    import hashlib
-
     return Path("outputs") / "eval" / f"{name}-{hashlib.sha256(str(source).encode()).hexdigest()[:8]}"
 
 
 def checkpoint_key(source: Path) -> str:
     """The checkpoint's path and the identity of its files: what a finished evaluation is recorded for."""
-    from megatron_dynamo.eval.model_source import checkpoint_identity
-
     return f"{source}:{checkpoint_identity(source)}"
 
 
@@ -35,8 +35,6 @@ def result_args(args) -> dict[str, Any]:
 def finished_evaluation(output: Path, identity: str, args) -> dict[str, Any] | None:
     """The summary of ``output`` when it holds a finished evaluation of this checkpoint (same path and files) with
     these arguments, else None."""
-    from megatron_dynamo.eval.runner import SUMMARY_FILE
-
     try:
         record = json.loads((output / FINISHED_FILE).read_text(encoding="utf-8"))
         summary = json.loads((output / SUMMARY_FILE).read_text(encoding="utf-8"))
@@ -47,8 +45,6 @@ def finished_evaluation(output: Path, identity: str, args) -> dict[str, Any] | N
 
 
 def other_model(output: Path, source: Path) -> str | None:
-    from megatron_dynamo.eval.runner import SETTINGS_FILE
-
     try:
         model = json.loads((output / SETTINGS_FILE).read_text(encoding="utf-8")).get("model")
     except (OSError, ValueError, AttributeError):
@@ -63,7 +59,5 @@ def record_finished(output: Path, identity: str, args) -> None:
 
 def forget_results(output: Path) -> None:
     """--overwrite: the samples, settings and summary go (a cached conversion stays: it is keyed by identity)."""
-    from megatron_dynamo.eval.runner import SAMPLES_FILE, SETTINGS_FILE, SUMMARY_FILE
-
     for name in (FINISHED_FILE, SUMMARY_FILE, SAMPLES_FILE, SETTINGS_FILE):
         (output / name).unlink(missing_ok=True)

@@ -37,7 +37,7 @@ def collect() -> dict:
     }
 
 
-def run(args) -> int:
+def main(args) -> int:
     info = collect()
     if args.json:
         print(json.dumps(info))

@@ -225,7 +225,7 @@ def _run(args) -> int:
     return 0
 
 
-def run(args) -> int:
+def main(args) -> int:
     try:
         if args.action == "list":
             return _list()

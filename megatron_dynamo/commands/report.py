@@ -49,7 +49,7 @@ def add_arguments(parser) -> None:
                         help="resolution of the PNG (default 90: a 1670-pixel-wide page)")
 
 
-def run(args) -> int:
+def main(args) -> int:
     labels = args.labels
     if labels and len(labels) == 1 and "," in labels[0]:
         labels = [label.strip() for label in labels[0].split(",")]

@@ -76,7 +76,7 @@ def _dp_group():
     return parallel_state.get_data_parallel_group()
 
 
-def run(args) -> int:
+def main(args) -> int:
     world = args.tp * args.pp * args.dp
     fn_args = (args.tp, args.pp, args.config, args.dtype, args.steps, args.lr, args.micro_batches,
                args.micro_batch_size, args.seq_len, args.seed)

@@ -101,7 +101,7 @@ def equals_grpo_note(cfg, algo: str) -> str | None:
             f"trainer.mini_batch_prompts={max(1, cfg.trainer.mini_batch_prompts // 4)}")
 
 
-def run(args) -> int:
+def main(args) -> int:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     try:
         cfg = load_run_config(args.config, args.overrides, algo=args.algo)
