@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_dynamo.algorithms.advantages import registered_advantage_estimators
-from megatron_dynamo.algorithms.baselines import BASELINES, check_algorithm_overrides
+from megatron_dynamo.algorithms.baselines import BASELINES, algorithm_keys, check_algorithm_overrides
 from megatron_dynamo.algorithms.config import (AllocationConfig, DynamicSamplingConfig, ModulationConfig,
                                                PolicyLossConfig)
 from megatron_dynamo.algorithms.losses import registered_policy_losses
@@ -371,19 +371,19 @@ ALGORITHMS = ("dynamo", "grpo", *BASELINES)
 
 
 def with_algorithm(run: RunConfig, algo: str) -> RunConfig:
-    """``dynamo``: the config as given. ``grpo``: allocation and both modulation factors off (plain GRPO). A
-    baseline name: GRPO plus that baseline's changes (``algorithms.baselines.BASELINES``), over the recipe's
-    values."""
+    """``run`` with the keys ``--algo algo`` sets (``algorithms.baselines.algorithm_keys``: none for ``dynamo``;
+    allocation and both modulation factors off for ``grpo`` and every baseline, plus the baseline's own)."""
     if algo not in ALGORITHMS:
         raise ConfigError(f"--algo must be one of {ALGORITHMS}, got {algo!r}")
-    if algo == "dynamo":
-        return run
-    dynamo = replace(run.dynamo, allocation=replace(run.dynamo.allocation, enabled=False),
-                     modulation=replace(run.dynamo.modulation, gc=False, ums=False))
-    if algo in BASELINES:
-        baseline = BASELINES[algo]
-        dynamo = replace(dynamo, loss=replace(dynamo.loss, **baseline.loss), **baseline.dynamo)
-    return replace(run, dynamo=dynamo)
+    for key, value in algorithm_keys(algo).items():
+        run = _with_key(run, key.split("."), value)
+    return run
+
+
+def _with_key(section, path: list[str], value):
+    """A copy of the frozen dataclass ``section`` with the dotted key ``path`` set to ``value``."""
+    head, *rest = path
+    return replace(section, **{head: _with_key(getattr(section, head), rest, value) if rest else value})
 
 
 def load_run_config(path: str | None, overrides: list[str] | None = None, algo: str = "dynamo") -> RunConfig:
