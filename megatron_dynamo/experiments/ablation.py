@@ -15,7 +15,7 @@ from megatron_dynamo.config import ConfigError, apply_overrides, load_yaml, to_d
 from megatron_dynamo.experiments.analysis import analyse
 from megatron_dynamo.experiments.collector import collect, read_run, run_state
 from megatron_dynamo.experiments.executor import (Launch, RunResult, SubprocessLauncher, child_environment, cpu_slots,
-                                                  execute, run_then_finish, stop_signals)
+                                                  execute, run_then_finish)
 from megatron_dynamo.experiments.outputs import write_outputs, write_raw
 from megatron_dynamo.experiments.plan import (PLAN_FILE, RunSpec, merge_plan, plan_record, plan_runs, run_dir,
                                               run_overrides, sft_checkpoint, train_command, variant_algo)
@@ -189,7 +189,8 @@ def result_line(result: RunResult, steps: int, done: int, total: int) -> str:
 
 def run_plan(plan: AblationPlan, launch: Launch) -> dict[tuple[str, int], RunResult]:
     """A shared warm-up first and alone, on every core (no other run can start before it ends); then the rest, up
-    to --jobs at once, each on its own cores. ExperimentInterrupted on Ctrl-C / SIGTERM."""
+    to --jobs at once, each on its own cores. ExperimentInterrupted on Ctrl-C / SIGTERM (under
+    :func:`~megatron_dynamo.experiments.executor.run_then_finish`'s stop_signals)."""
     jobs, steps = plan.args.jobs, plan.steps
     slots = cpu_slots(jobs)
     report = lambda result, done, total: print(result_line(result, steps, done, total), flush=True)  # noqa: E731
@@ -197,15 +198,13 @@ def run_plan(plan: AblationPlan, launch: Launch) -> dict[tuple[str, int], RunRes
     command_for = _command_for(plan)
     shared = [s for s in plan.specs if s.is_sft] if plan.shared_sft_seed is not None else []
     rest = [s for s in plan.specs if s not in shared]
-    with stop_signals():
-        results = execute(shared, state_of, command_for, launch, jobs=1, report=report, announce=announce,
-                          env_for=lambda slot: child_environment(os.environ, 1, None)) if shared else {}
-        if shared and not results[shared[0].key].ok:
-            results.update({s.key: RunResult(s, "skipped", message="the shared SFT run failed") for s in rest})
-        else:
-            results.update(execute(rest, state_of, command_for, launch, jobs=jobs, report=report,
-                                   announce=announce,
-                                   env_for=lambda slot: child_environment(os.environ, jobs, slots[slot])))
+    results = execute(shared, state_of, command_for, launch, jobs=1, report=report, announce=announce,
+                      env_for=lambda slot: child_environment(os.environ, 1, None)) if shared else {}
+    if shared and not results[shared[0].key].ok:
+        results.update({s.key: RunResult(s, "skipped", message="the shared SFT run failed") for s in rest})
+    else:
+        results.update(execute(rest, state_of, command_for, launch, jobs=jobs, report=report, announce=announce,
+                               env_for=lambda slot: child_environment(os.environ, jobs, slots[slot])))
     return results
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from megatron_dynamo.config import ConfigError
 from megatron_dynamo.experiments.executor import (Launch, RunResult, SubprocessLauncher, child_environment, execute,
-                                                  run_then_finish, stop_signals)
+                                                  run_then_finish)
 from megatron_dynamo.experiments.plan import RunSpec, train_command
 from megatron_dynamo.experiments.variants import Variant, compare_variant
 from megatron_dynamo.report.thresholds import median_rollouts, moving_mean, parse_seeds, summarize_run
@@ -209,11 +209,9 @@ def run_plan(plan: ComparisonPlan, launch: Launch) -> dict[tuple[str, int], RunR
         print(f"[{done + 1}/{total}] {spec.variant} seed {spec.seed}: running "
               f"(log {os.path.join(spec.output_dir, 'train.log')})", flush=True)
 
-    with stop_signals():
-        return execute(plan.specs, state_of, lambda spec, resume: plan.command(spec), launch, jobs=1,
-                       env_for=lambda slot: child_environment(os.environ, 1, None), announce=announce,
-                       report=lambda result, done, total: _progress(plan, result, done, total),
-                       reuse=plan.args.reuse)
+    return execute(plan.specs, state_of, lambda spec, resume: plan.command(spec), launch, jobs=1,
+                   env_for=lambda slot: child_environment(os.environ, 1, None), announce=announce,
+                   report=lambda result, done, total: _progress(plan, result, done, total), reuse=plan.args.reuse)
 
 
 def sft_warnings(runs: list[dict[str, Any]], seeds: list[int]) -> list[str]:

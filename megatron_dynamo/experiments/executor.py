@@ -325,9 +325,11 @@ def execute(specs: Sequence[RunSpec], state_of: StateOf, command_for: Callable[[
 
 def run_then_finish(command: str, run: Callable[[], dict[tuple[str, int], RunResult]],
                     finish: Callable[[dict[tuple[str, int], RunResult]], int]) -> int:
-    """``finish(run())``; interrupted: the line saying how to resume on stderr, exit status 130."""
+    """``finish(run())``, the run under :func:`stop_signals` (SIGTERM and an ignored SIGINT stop it like Ctrl-C);
+    interrupted: the line saying how to resume on stderr, exit status 130."""
     try:
-        results = run()
+        with stop_signals():
+            results = run()
     except ExperimentInterrupted as exc:
         print(f"dynamo {command}: {exc}", file=sys.stderr)
         return 130
