@@ -31,8 +31,11 @@ records and samples, to ``benchmarks/results/bench_peer_<shape>.json``. Shapes:
 
     cpu_default  configs/cpu_default.yaml: tiny Qwen2, 32 prompts x 8, 6-token responses, 20 steps
     large        the 101M-parameter configs/models/bench-qwen2-100m.json from random weights (no warm-up: its
-                 responses run to EOS or 256 tokens), 4 prompts x 8, 256-token responses, micro-batches of 8,
-                 lr 1e-6 (the paper's: response lengths stay put over the steps), 5 steps
+                 responses run to EOS or 256 tokens), 4 prompts x 8, 256-token responses, lr 1e-6 (the paper's:
+                 response lengths stay put over the steps), 5 steps. Micro-batches: TRL's of 8 sequences; ours as
+                 our GPU recipes run them, token budgets (``trainer.micro_batch_tokens``) of 8 longest sequences
+                 (8 x (16 + 256)), the sequences binned longest first, so a micro-batch is padded to its own
+                 longest and not the step's (the responses' lengths range from a few tokens to 256)
 
 The machine should be quiet: the load average before and after each run is recorded beside it.
 """
@@ -65,7 +68,7 @@ SHAPES = {
               "overrides": ["model.config=configs/models/bench-qwen2-100m.json", "trainer.sft_warmup_steps=0",
                             "rollout.max_response_tokens=256"],
               "rl": ["data.prompts_per_step=4", "trainer.mini_batch_prompts=4", "trainer.micro_batch_size=8",
-                     "optim.lr=1e-6"],
+                     "trainer.micro_batch_tokens=2176", "optim.lr=1e-6"],
               "steps": 5},
 }
 

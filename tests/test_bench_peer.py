@@ -42,6 +42,9 @@ def test_large_shape_settings(tmp_path):
     assert (spec["group_size"], spec["micro_batch_size"], spec["micro_batches"]) == (8, 8, 4)
     assert spec["max_response_tokens"] == 256 and spec["optim"]["lr"] == 1e-6
     assert run.model.checkpoint == str(tmp_path / "hf") and run.model.config is None
+    # ours: token budgets of TRL's 8 sequences at their longest (prompt + response), so neither side's budget is larger
+    longest = run.data.max_prompt_tokens + run.rollout.max_response_tokens
+    assert run.trainer.micro_batch_tokens == spec["micro_batch_size"] * longest
 
 
 def _trace():
