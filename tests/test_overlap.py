@@ -118,6 +118,18 @@ def test_a_job_too_small_for_its_placement_is_refused_before_any_rank(world, ove
         resolve_topology(run, world)
 
 
+@pytest.mark.parametrize("staleness,says", [(0, ", on-policy"), (1, ", up to 1 step off-policy"),
+                                            (2, ", up to 2 steps off-policy")])
+def test_the_header_says_how_far_off_policy_the_engines_run(staleness, says):
+    from megatron_dynamo.commands.train import layout_line
+    from megatron_dynamo.launch.ranks import resolve_topology
+
+    run = load_run_config(CPU_DEFAULT, ["rollout.placement=separate", "rollout.engine_ranks=1",
+                                        f"rollout.max_staleness={staleness}"])
+    line = layout_line(run, resolve_topology(run, 2), "single")
+    assert line == ("2 ranks (--nproc): DP 1 x TP 1 x PP 1; 1 rollout engine of 1 rank on rank 1 of its own" + says)
+
+
 # ---------------------------------------------------------------------------------------------- messages
 def _channel_worker(rank, world_size):
     """Ranks 0-1 train, 2-3 generate: every message kind both ways, and a failure report."""
@@ -215,7 +227,7 @@ def overlapped(tmp_path_factory):
 @pytest.mark.distributed
 def test_overlapped_run_trains_each_batch_one_step_off_policy(overlapped):
     out, metrics, stdout = overlapped
-    assert "rollout engine of 1 rank on ranks 1-1 of their own, up to 1 step off-policy" in stdout
+    assert "rollout engine of 1 rank on rank 1 of its own, up to 1 step off-policy" in stdout
     steps = [m for m in metrics if m["step"] > 0]
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4] and "eval/avg/pass@1" in metrics[0]
     # batch b comes from the weights of step max(0, b - 2): staleness 0 for the first, then 1

@@ -394,7 +394,7 @@ def test_train_sbatch_engine_node_one_step_ahead_requeues_and_resumes_exactly(sl
     assert saved, text[-4000:]
     second = text[text.index("(restart 1)"):]
     assert f"--resume: loaded step {saved.group(1)} from" in second, second[:2000]
-    assert "rollout engine of 1 rank on ranks 1-1 of their own" in text
+    assert "rollout engine of 1 rank on rank 1 of its own" in text
     assert_same_metrics(metrics(run_dir), separate_reference)
 
 

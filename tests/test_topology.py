@@ -112,7 +112,9 @@ def test_a_rank_with_nothing_to_generate_and_the_trainer_world():
     assert [topology.engine_layout(rank) for rank in range(3)][:2] == [None, None]
     assert (topology.parallel.ranks, topology.engine_ranks, topology.first_engine_rank) == (2, 1, 2)
     assert topology.parallel.data_parallel == 2
-    assert topology.describe() == "DP 2 x TP 1 x PP 1; 1 rollout engine of 1 rank on ranks 2-2 of their own"
+    assert topology.describe() == "DP 2 x TP 1 x PP 1; 1 rollout engine of 1 rank on rank 2 of its own"
+    two = JobTopology.resolve(4, *_sections(engine_ranks=2))
+    assert two.describe() == "DP 2 x TP 1 x PP 1; 2 rollout engines of 1 rank on ranks 2-3 of their own"
 
 
 # ---------------------------------------------------------------------------------------------- the messages

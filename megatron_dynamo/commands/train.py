@@ -49,7 +49,7 @@ from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
 from megatron_dynamo.parallel import stop_signals
 from megatron_dynamo.parallel.runtime import detect_launch, launcher
 from megatron_dynamo.parallel.spawn import RankError
-from megatron_dynamo.parallel.topology import JobTopology
+from megatron_dynamo.parallel.topology import JobTopology, plural
 from megatron_dynamo.trainer.checkpoint import BAD_CHECKPOINT
 from megatron_dynamo.trainer.config import ALGORITHMS, load_run_config
 from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts
@@ -74,14 +74,14 @@ def add_arguments(parser) -> None:
                              "ignored under torchrun/srun")
 
 
-def _layout_line(cfg, topology: JobTopology, kind: str) -> str:
+def layout_line(cfg, topology: JobTopology, kind: str) -> str:
     """The header's second line: ranks, who started them, the training layout and the rollout engines."""
     world = topology.world_size
     started = {"torchrun": "torchrun", "slurm": "srun", "single": "this process" if world == 1 else "--nproc"}
-    line = f"{world} rank{'s' if world != 1 else ''} ({started[kind]}): {topology.describe()}"
+    line = f"{plural(world, 'rank')} ({started[kind]}): {topology.describe()}"
     if topology.separate:
         steps = cfg.rollout.max_staleness
-        line += f", up to {steps} step{'s' if steps != 1 else ''} off-policy"
+        line += ", on-policy" if steps == 0 else f", up to {plural(steps, 'step')} off-policy"
     return line
 
 
@@ -136,7 +136,7 @@ def _print_header(args, cfg, topology: JobTopology, prompt_note: str | None) -> 
     """Rank 0's lines before the run: what runs, on which layout, and the notes about the settings."""
     print(f"dynamo train: {args.config} ({args.algo}{', resumed' if args.resume else ''}), "
           f"{cfg.trainer.steps} steps -> {cfg.trainer.output_dir}", flush=True)
-    print(f"dynamo train: {_layout_line(cfg, topology, launcher())}", flush=True)
+    print(f"dynamo train: {layout_line(cfg, topology, launcher())}", flush=True)
     if prompt_note:
         print(f"dynamo train: {prompt_note}", flush=True)
     for note in (equals_grpo_note(cfg, args.algo), algorithm_note(args.algo, cfg.dynamo.loss.name)):

@@ -254,11 +254,13 @@ class JobTopology:
         """One line: the training layout and the engines (the header of ``dynamo train``, ``dynamo launch``)."""
         p, r = self.parallel, self.rollout
         line = (f"DP {p.data_parallel} x TP {p.tensor_parallel} x PP {p.pipeline_parallel}; "
-                f"{_plural(r.num_engines, 'rollout engine')} of {_plural(r.tensor_parallel, 'rank')}")
+                f"{plural(r.num_engines, 'rollout engine')} of {plural(r.tensor_parallel, 'rank')}")
         if self.separate:
-            line += f" on ranks {self.first_engine_rank}-{self.world_size - 1} of their own"
+            first, last = self.first_engine_rank, self.world_size - 1
+            line += f" on rank {first} of its own" if first == last else f" on ranks {first}-{last} of their own"
         return line
 
 
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, with an s unless n is 1: "1 rank", "2 ranks", "0 steps"."""
     return f"{n} {word}{'s' if n != 1 else ''}"
