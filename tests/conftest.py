@@ -8,7 +8,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 
+def _pin_xdist_worker() -> None:
+    """Give each pytest-xdist worker its own share of the CPUs (2 workers on 2 cores: one core each).
+
+    The product sizes torch's thread pools and its ranks' threads to the CPUs its process may run on
+    (``megatron_dynamo.cpus``, the affinity mask, as ``dynamo ablate --jobs`` shares cores). Unpinned, two workers
+    each run 2-thread pools on 2 cores, and every small op of the tiny test models waits for a descheduled thread:
+    a training test that takes 31 s alone took 86 s beside one busy process, and 35 s pinned to a core of its own.
+    Processes a test starts inherit the mask; Slurm's jobs, started by slurmd, do not."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= count:
+        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) % count::count])
+
+
 def pytest_configure(config):
+    _pin_xdist_worker()
     config.addinivalue_line("markers", "distributed: spawns several gloo processes")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
     config.addinivalue_line("markers", "slow: more than ~12 s on the 2-core CPU machine, or several processes "
