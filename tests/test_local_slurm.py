@@ -36,7 +36,10 @@ STUBS = {
     "munge": '#!/bin/bash\npid=$(cat "$LOCAL_SLURM_MUNGE_RUN/munged.pid" 2>/dev/null) && [[ -d /proc/$pid ]] '
              '&& echo CRED\n',
     "unmunge": '#!/bin/bash\ngrep -q CRED\n',
-    "sinfo": '#!/bin/bash\nprintf "n1 idle\\nn2 idle\\n"\n',
+    # As the real ones: no answer until slurmctld runs, a node idle once its slurmd runs (has written its pid file)
+    "sinfo": '#!/bin/bash\n[[ -s $(sed -n "s/^SlurmctldPidFile=//p" "$SLURM_CONF") ]] || exit 1\n'
+             'pidfile=$(sed -n "s/^SlurmdPidFile=//p" "$SLURM_CONF")\n'
+             'for n in n1 n2; do if [[ -s ${pidfile//%n/$n} ]]; then echo "$n idle"; else echo "$n down"; fi; done\n',
     "scontrol": "#!/bin/bash\nexit 0\n",
     "sbatch": "#!/bin/bash\nexit 0\n",
 }
