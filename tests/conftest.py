@@ -15,13 +15,15 @@ def _pin_xdist_worker() -> None:
     (``megatron_dynamo.cpus``, the affinity mask, as ``dynamo ablate --jobs`` shares cores). Unpinned, two workers
     each run 2-thread pools on 2 cores, and every small op of the tiny test models waits for a descheduled thread:
     a training test that takes 31 s alone took 86 s beside one busy process, and 35 s pinned to a core of its own.
-    Processes a test starts inherit the mask; Slurm's jobs, started by slurmd, do not."""
+    Processes a test starts inherit the mask; Slurm's jobs, started by slurmd, do not. The slots are the ones
+    ``dynamo ablate --jobs`` gives its runs (``executor.cpu_slots``); with fewer CPUs than workers nothing is pinned,
+    since two workers on one core would be worse than sharing them all."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < count:
         return
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) >= count:
-        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) % count::count])
+    from megatron_dynamo.experiments.executor import cpu_slots
+
+    os.sched_setaffinity(0, cpu_slots(count)[int(worker.removeprefix("gw")) % count])
 
 
 def pytest_configure(config):
