@@ -1,6 +1,7 @@
 """`dynamo ablate`: the statistics (bootstrap CI, paired and marginal effects, realised variance ratio), the table
 layout, and the scheduler / resume logic with a fake trainer (no training)."""
 
+import csv
 import json
 import os
 import signal
@@ -16,11 +17,15 @@ import yaml
 from hf_reference import REPO
 from megatron_dynamo.cli import build_parser
 from megatron_dynamo.commands import ablate
+from megatron_dynamo.experiments import ablation as ablation_module
+from megatron_dynamo.experiments import collector as collector_module
 from megatron_dynamo.experiments import executor
+from megatron_dynamo.experiments import outputs as outputs_module
 from megatron_dynamo.experiments.analysis import analyse
 from megatron_dynamo.experiments.collector import run_state
 from megatron_dynamo.experiments.paper import PAPER_AVG, PAPER_BENCHMARKS, TABLE1, TABLE2
 from megatron_dynamo.experiments.plan import PLAN_FILE, RunSpec
+from megatron_dynamo.experiments.provenance import checkpoint_hash, machine_id
 from megatron_dynamo.experiments.stats import (bootstrap_ci, marginal_effect, paired_differences,
                                                realised_variance_ratio, zero_advantage_share)
 from megatron_dynamo.experiments.tables import format_markdown, main_table, table1_table
@@ -454,7 +459,7 @@ def test_raw_data_holds_every_finished_run_of_the_plan(recipe, tmp_path, capsys)
     assert ablate.main(_args(recipe, out, "--seeds", "2", "--variants", "dra", "--shared-sft", "--raw-data", str(raw)),
                       launch=FakeTrainer(sft_per_seed=False)) == 0
     lines = (raw / "runs.csv").read_text().splitlines()
-    assert lines[0] == "variant,seed,pass1,passk,k,train_rollouts,steps,wall_seconds"
+    assert lines[0] == "variant,seed,pass1,passk,k,train_rollouts,steps,wall_seconds,machine,warmup"
     rows = [line.split(",") for line in lines[1:]]
     assert [(r[0], r[1]) for r in rows] == [("sft", str(RECIPE_SEED)), ("dra", "2"), ("grpo", "1"),
                                             ("pos_weight", "1"), ("grpo-hlr", "1")]  # the tables' order
@@ -464,17 +469,79 @@ def test_raw_data_holds_every_finished_run_of_the_plan(recipe, tmp_path, capsys)
     assert float(grpo["wall_seconds"]) >= 0
     sft = dict(zip(lines[0].split(","), rows[0]))
     assert (sft["train_rollouts"], sft["steps"]) == ("0", "0")
+    # every row names this machine and the warm-up every run started from: the SFT run's checkpoint
+    warmup = checkpoint_hash(out / "sft" / f"seed{RECIPE_SEED}" / "checkpoints" / "step_000000")
+    parsed = list(csv.DictReader(lines))
+    assert [(r["machine"], r["warmup"]) for r in parsed] == [(machine_id(), warmup)] * 5
     with gzip.open(raw / "problems.csv.gz", "rt") as f:
         problems = f.read().splitlines()
-    assert problems[0] == "variant,seed,benchmark,problem_id,samples,correct"
+    assert problems[0] == "variant,seed,warmup,benchmark,problem_id,samples,correct"
     # the fake's samples: problem p has min(4, p + dra + seed % 2) correct of 4
-    assert problems[1:] == ["dra,2,held,q0,4,1", "dra,2,held,q1,4,2", "grpo,1,held,q0,4,1", "grpo,1,held,q1,4,2",
-                            "pos_weight,1,held,q0,4,1", "pos_weight,1,held,q1,4,2", "grpo-hlr,1,held,q0,4,1",
-                            "grpo-hlr,1,held,q1,4,2"]
+    assert problems[1:] == [line.replace(",held", f",{warmup},held") for line in [
+        "dra,2,held,q0,4,1", "dra,2,held,q1,4,2", "grpo,1,held,q0,4,1", "grpo,1,held,q1,4,2",
+        "pos_weight,1,held,q0,4,1", "pos_weight,1,held,q1,4,2", "grpo-hlr,1,held,q0,4,1", "grpo-hlr,1,held,q1,4,2"]]
     first = (raw / "problems.csv.gz").read_bytes()
     assert ablate.main(_args(recipe, out, "--seeds", "2", "--variants", "dra", "--shared-sft", "--raw-data", str(raw)),
                       launch=FakeTrainer(sft_per_seed=False)) == 0
     assert (raw / "problems.csv.gz").read_bytes() == first  # no timestamp: the same runs give the same bytes
+
+
+def _on_machine(monkeypatch, name):
+    """This process takes itself for machine ``name``: what ``provenance.machine_id`` would say on another CPU."""
+    for module in (ablation_module, outputs_module, collector_module):
+        monkeypatch.setattr(module, "machine_id", lambda: name)
+
+
+def _raw_rows(raw):
+    with open(raw / "runs.csv", newline="") as f:
+        return [(r["variant"], int(r["seed"]), r["machine"]) for r in csv.DictReader(f)]
+
+
+def test_a_new_machine_runs_only_what_the_raw_data_lacks_and_never_splits_a_seed(recipe, tmp_path, monkeypatch,
+                                                                                  capsys):
+    raw = tmp_path / "raw"
+    _on_machine(monkeypatch, "CPU A")
+    # machine A: seeds 1 and 2 whole; seed 3 stopped by Ctrl-C in its second run: the first is kept on the way out
+    assert ablate.main(_args(recipe, tmp_path / "a", "--seeds", "1,2", "--variants", "grpo,dra", "--shared-sft",
+                             "--raw-data", str(raw)), launch=FakeTrainer(sft_per_seed=False)) == 0
+    assert ablate.main(_args(recipe, tmp_path / "a", "--seeds", "3", "--variants", "grpo,dra", "--shared-sft",
+                             "--raw-data", str(raw)), launch=FakeTrainer(sft_per_seed=False, interrupt=(2, 1))) == 130
+    assert "kept the raw data" in capsys.readouterr().err
+    assert _raw_rows(raw) == [("sft", RECIPE_SEED, "CPU A"), ("dra", 1, "CPU A"), ("dra", 2, "CPU A"),
+                              ("grpo", 1, "CPU A"), ("grpo", 2, "CPU A"), ("grpo", 3, "CPU A")]
+    # machine B, a fresh checkout and output directory: seeds 1 and 2 are done; seed 3 runs here whole, its run
+    # from machine A included (its pairs must share a machine), after this machine's own warm-up
+    _on_machine(monkeypatch, "CPU B")
+    fake = FakeTrainer(sft_per_seed=False)
+    assert ablate.main(_args(recipe, tmp_path / "b", "--seeds", "1,2,3", "--variants", "grpo,dra", "--shared-sft",
+                             "--raw-data", str(raw)), launch=fake) == 0
+    assert [_kind(c) for c in fake.calls] == [("sft", RECIPE_SEED, False), ("grpo", 3, False), ("dra", 3, False)]
+    assert "grpo seed 1: in the raw data (finished elsewhere), not run here" in capsys.readouterr().out
+    assert _raw_rows(raw) == [("sft", RECIPE_SEED, "CPU A"), ("sft", RECIPE_SEED, "CPU B"), ("dra", 1, "CPU A"),
+                              ("dra", 2, "CPU A"), ("dra", 3, "CPU B"), ("grpo", 1, "CPU A"), ("grpo", 2, "CPU A"),
+                              ("grpo", 3, "CPU B")]
+    # machine C: a seed complete elsewhere costs nothing, not even a warm-up; a new variant of seed 3 brings the
+    # seed's other runs along (dra, which this call does not name), so that seed 3 stays on one machine
+    _on_machine(monkeypatch, "CPU C")
+    fake = FakeTrainer(sft_per_seed=False)
+    assert ablate.main(_args(recipe, tmp_path / "c", "--seeds", "3", "--variants", "grpo", "--shared-sft",
+                             "--raw-data", str(raw)), launch=fake) == 0
+    assert fake.calls == []
+    assert ablate.main(_args(recipe, tmp_path / "c", "--seeds", "3", "--variants", "grpo,gc", "--shared-sft",
+                             "--raw-data", str(raw)), launch=fake) == 0
+    assert [_kind(c) for c in fake.calls] == [("sft", RECIPE_SEED, False), ("grpo", 3, False), ("gc", 3, False),
+                                              ("dra", 3, False)]
+    assert sorted(r for r in _raw_rows(raw) if r[1] == 3) == [("dra", 3, "CPU C"), ("gc", 3, "CPU C"),
+                                                               ("grpo", 3, "CPU C")]
+    assert [r for r in _raw_rows(raw) if r[0] == "sft"] == [("sft", RECIPE_SEED, "CPU A"),
+                                                            ("sft", RECIPE_SEED, "CPU C")]
+    # the runs recorded there belong to one plan: another one is refused before anything runs
+    capsys.readouterr()
+    fake = FakeTrainer(sft_per_seed=False)
+    assert ablate.main(_args(recipe, tmp_path / "d", "--seeds", "4", "--variants", "grpo", "--shared-sft",
+                             "--raw-data", str(raw), "optim.lr=1e-4"), launch=fake) == 2
+    err = capsys.readouterr().err
+    assert fake.calls == [] and err.count("\n") == 1 and "optim.lr" in err and "--raw-data" in err, err
 
 
 def test_sigint_stops_an_ablation_started_with_sigint_ignored(recipe, tmp_path, capsys):

@@ -16,7 +16,8 @@ import pytest
 
 from hf_reference import REPO
 from megatron_dynamo.experiments.variants import HIGH_LR
-from megatron_dynamo.experiments.confirmatory import HYPOTHESES, SEEDS, analyse_runs, per_seed_contrast
+from megatron_dynamo.experiments.confirmatory import (HYPOTHESES, SEEDS, analyse_runs, missing_runs, per_seed_contrast,
+                                                      preregistered_runs)
 from megatron_dynamo.experiments.confirmatory_tables import committed_blocks, format_tables, replace_block
 from megatron_dynamo.experiments.paired_stats import holm, paired_t, paired_t_power, t_cdf, t_quantile
 from megatron_dynamo.experiments.raw_data import RUNS_COLUMNS, RUNS_FILE, read_runs
@@ -205,6 +206,33 @@ def test_dynamo_confirm_prints_writes_and_checks_the_tables(tmp_path):
     assert results.read_text() == written  # replaced in place, not appended again
     missing = _confirm("nowhere", cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+
+
+def test_a_partial_file_gives_how_many_runs_are_in_and_no_table(tmp_path):
+    """The preregistration analyses the whole experiment: while runs are missing, dynamo confirm counts them per
+    seed and machine and computes nothing else."""
+    rows = [{**r, "machine": "CPU A" if r["seed"] < 9 else "CPU B", "warmup": "w"} for r in _made_up_rows()]
+    partial = [r for r in rows if not (r["seed"] == 12 and r["variant"] == "dra")]
+    assert len(preregistered_runs()) == 152 and missing_runs(rows) == [] and missing_runs(partial) == [("dra", 12)]
+    _write_runs(tmp_path / "data", partial)
+    printed = _confirm("data", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    text = printed.stdout
+    assert "151 of the 152 preregistered runs are in" in text
+    assert "| 6 | 16 | 16 | CPU A, warm-up w |" in text and "| 12 | 15 | 16 | CPU B, warm-up w |" in text
+    assert "| 14 | 12 | 12 | CPU B, warm-up w |" in text
+    assert "H1" not in text and "pass@1" not in text and "%" not in text  # no result of a part
+    _write_runs(tmp_path / "data", rows)
+    assert "| H1 | DynaMO - GRPO (primary) | 10 | +0.80 [" in _confirm("data", cwd=tmp_path).stdout
+
+
+def test_confirm_refuses_a_seed_whose_runs_span_two_machines(tmp_path):
+    rows = [{**r, "machine": "CPU B" if (r["seed"], r["variant"]) == (7, "gc") else "CPU A", "warmup": "w"}
+            for r in _made_up_rows()]
+    _write_runs(tmp_path / "data", rows)
+    refused = _confirm("data", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.count("\n") == 1
+    assert "seed 7's runs span two machines (15 run(s) on CPU A from warm-up w; 1 run(s) on CPU B" in refused.stderr
 
 
 def test_replace_block_keeps_the_text_around_it():

@@ -64,9 +64,12 @@ pass@1 / pass@k beside the paper's Avg.; the ablation in its Table 2 layout with
 eq. 23 variance ratio predicted and realised, zero-advantage groups and the modulation diagnostics), ablation.json
 (every run's numbers and the aggregates), ablation.png (pass@1 per variant with CIs; the effects) and report/
 (``dynamo report``'s page of every variant run's curves). With --raw-data DIR also DIR/runs.csv (one row per
-finished run of the plan: variant, seed, held-out pass@1 and pass@k, train rollouts, steps, wall seconds) and
-DIR/problems.csv.gz (correct samples per held-out problem), which ``dynamo confirm DIR`` turns into the
-preregistered tables. Statistics and formulas: docs/ablation.md.
+finished run of the plan: variant, seed, held-out pass@1 and pass@k, train rollouts, steps, wall seconds, the
+machine it ran on and its warm-up's hash), DIR/problems.csv.gz (correct samples per held-out problem) and
+DIR/plan.json, which ``dynamo confirm DIR`` turns into the preregistered tables; written at Ctrl-C too. A run
+already in DIR (same plan) does not run again when its seed is complete there or it ran on this machine from this
+warm-up; a seed left unfinished on another machine runs here whole (a seed's runs are paired: one machine each).
+Statistics and formulas: docs/ablation.md.
 """
 
 from __future__ import annotations
@@ -109,9 +112,11 @@ def add_arguments(parser) -> None:
                              "(the recipe's trainer.seed): seed-to-seed spread then includes the warm-up's")
     parser.add_argument("--raw-data", default=None, metavar="DIR",
                         help="also write DIR/runs.csv (variant, seed, held-out pass@1 and pass@k, train rollouts, "
-                             "steps, wall seconds) and DIR/problems.csv.gz (correct samples per held-out problem) "
-                             "of every finished run of the output directory's plan, all calls' seeds and variants "
-                             "(docs/ablation.md, Raw data); e.g. --raw-data benchmarks/results/confirmatory")
+                             "steps, wall seconds, machine, warm-up hash), DIR/problems.csv.gz (correct samples per "
+                             "held-out problem) and DIR/plan.json of every finished run of the plan, all calls' "
+                             "seeds and variants, at the end and at Ctrl-C; runs already in DIR are not run again "
+                             "(on another machine: the seeds complete there), so an experiment can move between "
+                             "machines (docs/ablation.md, Raw data); e.g. --raw-data benchmarks/results/confirmatory")
     parser.add_argument("--output-dir", default="outputs/ablate",
                         help="where runs, ablation.md/.json/.png, report/ and ablation_plan.json go "
                              "(default outputs/ablate)")

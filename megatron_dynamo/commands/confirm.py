@@ -5,7 +5,9 @@ testbed's results page) from the committed raw data, and nothing else.
     dynamo confirm benchmarks/results/confirmatory --write docs/results/testbed.md  # put them in the page
     dynamo confirm benchmarks/results/confirmatory --check docs/results/testbed.md  # exit 1 if the page differs
 
-DIR holds runs.csv (``dynamo ablate ... --raw-data DIR`` writes it). The analysis is fixed by the preregistration
+DIR holds runs.csv (``dynamo ablate ... --raw-data DIR`` writes it). A seed whose runs span two machines or two
+warm-ups is refused (one line, exit 2): its runs are paired, and another CPU gives other numbers. Until every
+preregistered run is in, the block says how many are, per seed and machine, and holds no table. The analysis is fixed by the preregistration
 (docs/ablation.md, "Preregistration"; ``megatron_dynamo/experiments/confirmatory.py``): per hypothesis the per-seed
 contrast of held-out pass@1 over the preregistered seeds, its two-sided paired Student t interval and p-value, Holm's
 adjustment over all tests, the verdict by the preregistered rule, and the answers to the controls' questions. In
@@ -31,12 +33,12 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     # lazy: the preregistered statistics (mpmath's Student t) add ~40 ms to every `dynamo --help`
     from megatron_dynamo.experiments.confirmatory_tables import committed_blocks, format_tables, replace_block
-    from megatron_dynamo.experiments.raw_data import RUNS_FILE, read_runs
+    from megatron_dynamo.experiments.raw_data import RUNS_FILE, read_paired_runs
 
     source = os.path.normpath(args.directory)
     path = os.path.join(source, RUNS_FILE)
     try:
-        rows = read_runs(path)
+        rows = read_paired_runs(path)
     except (OSError, ValueError) as exc:
         print(f"dynamo confirm: {path}: {exc}", file=sys.stderr)
         return 2

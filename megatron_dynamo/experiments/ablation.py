@@ -14,13 +14,16 @@ from typing import Any
 from megatron_dynamo.config import ConfigError, apply_overrides, load_yaml, to_dict
 from megatron_dynamo.experiments.analysis import analyse
 from megatron_dynamo.experiments.collector import collect, read_run, run_state
-from megatron_dynamo.experiments.executor import (Launch, RunResult, SubprocessLauncher, child_environment, cpu_slots,
-                                                  execute, run_then_finish)
+from megatron_dynamo.experiments.executor import (Launch, RunResult, StateOf, SubprocessLauncher, child_environment,
+                                                  cpu_slots, execute, run_then_finish)
 from megatron_dynamo.experiments.outputs import write_outputs, write_raw
 from megatron_dynamo.experiments.plan import (PLAN_FILE, RunSpec, merge_plan, plan_record, plan_runs, run_dir,
-                                              run_overrides, sft_checkpoint, train_command, variant_algo)
+                                              run_overrides, sft_checkpoint, train_command, variant_algo, warmup_hash)
+from megatron_dynamo.experiments.provenance import machine_id
+from megatron_dynamo.experiments.raw_data import PLAN_FILE as RAW_PLAN_FILE
+from megatron_dynamo.experiments.raw_data import RawData, RecordedRuns, read_raw_data
 from megatron_dynamo.experiments.stats import eval_at, training_rows
-from megatron_dynamo.experiments.variants import RESERVED_KEYS, SFT, VARIANTS, parse_variants
+from megatron_dynamo.experiments.variants import RESERVED_KEYS, SFT, VARIANTS, display_order, parse_variants
 from megatron_dynamo.report.thresholds import parse_seeds, tail_mean
 from megatron_dynamo.trainer.config import RunConfig, load_run_config
 from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts
@@ -39,6 +42,8 @@ class AblationPlan:
     shared_sft_seed: int | None  # the seed of the one shared SFT warm-up; None: one per seed (or none)
     specs: list[RunSpec]
     record: dict[str, Any] | None = None  # ablation_plan.json, merged with an earlier call's
+    raw: RawData | None = None  # --raw-data DIR's files before this call (runs finished here or on other machines)
+    recorded: RecordedRuns | None = None  # what of it counts as done for this call
 
     @property
     def steps(self) -> int:
@@ -126,7 +131,28 @@ def make_plan(args) -> AblationPlan:
         raise ValueError(f"the variants' rollout budgets differ: {budgets}")
     per_step = next(iter(budgets.values()))[0]
     specs = plan_runs(args.output_dir, seeds, variants, base.trainer.sft_warmup_steps > 0, shared_sft_seed)
-    return AblationPlan(args, seeds, variants, overrides, base, configs, per_step, shared_sft_seed, specs)
+    raw = read_raw_data(args.raw_data) if args.raw_data else None
+    recorded = None
+    if raw is not None:
+        recorded = RecordedRuns.of(raw.rows, seeds, variants)
+        specs = _with_seed_reruns(specs, recorded, args.output_dir)
+    return AblationPlan(args, seeds, variants, overrides, base, configs, per_step, shared_sft_seed, specs, raw=raw,
+                        recorded=recorded)
+
+
+def _with_seed_reruns(specs: list[RunSpec], recorded: RecordedRuns, output_dir: str) -> list[RunSpec]:
+    """``specs`` plus, for every seed this call runs here, the runs the raw data holds of it that this call's
+    variants do not name: a seed's runs are paired, so a seed that goes on here has all its runs here (each is
+    reused when it finished here, with this warm-up, before)."""
+    out = list(specs)
+    for seed in sorted({s.seed for s in specs if not s.is_sft} - recorded.complete_seeds):
+        sft_seed = next(s.sft_seed for s in specs if s.seed == seed and not s.is_sft)
+        planned = {s.variant for s in specs if s.seed == seed}
+        last = max(i for i, s in enumerate(out) if s.seed == seed and not s.is_sft)
+        extra = [RunSpec(v, seed, run_dir(output_dir, v, seed), sft_seed)
+                 for v in display_order(recorded.variants_of(seed)) if v not in planned]
+        out[last + 1:last + 1] = extra  # seed-major order kept
+    return out
 
 
 def write_plan_record(plan: AblationPlan) -> None:
@@ -144,7 +170,14 @@ def write_plan_record(plan: AblationPlan) -> None:
                 existing = json.load(f)
         plan.record = merge_plan(existing, record)
     except (ValueError, OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{path}: {exc}; use another --output-dir (or delete that directory)") from None
+    if plan.raw is not None:  # the runs recorded there must be runs of this plan
+        raw_plan = os.path.join(args.raw_data, RAW_PLAN_FILE)
+        try:
+            merge_plan(plan.raw.plan, record, raw_plan)
+        except ValueError as exc:
+            raise ValueError(f"--raw-data {args.raw_data}: {exc}: its runs are another plan's; use another "
+                             "--raw-data DIR") from None
     os.makedirs(args.output_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(plan.record, f, indent=1)
@@ -171,9 +204,10 @@ def result_line(result: RunResult, steps: int, done: int, total: int) -> str:
     """The progress line of a run that ended: its status, final train reward and held-out pass@1."""
     spec = result.spec
     status = {"reused": "finished before, reused", "skipped": f"skipped ({result.message})",
+              "recorded": "in the raw data (finished elsewhere), not run here",
               "failed": f"FAILED ({result.message})"}.get(result.status, f"ok in {result.seconds or 0:.0f}s")
     line = f"[{done}/{total}] {spec.describe()}: {status}"
-    if not result.ok:
+    if not result.local:
         return line
     records, _ = read_run(spec.output_dir)
     numbers = []
@@ -187,17 +221,38 @@ def result_line(result: RunResult, steps: int, done: int, total: int) -> str:
     return line + (": " + ", ".join(numbers) if numbers else "")
 
 
+def _state_of(plan: AblationPlan) -> StateOf:
+    """A run's state: its directory's (done, resume, fresh), or "recorded" when the raw data holds it and it need not
+    run here: its seed is complete there, or it ran on this machine from this warm-up."""
+    here = machine_id()
+
+    def state_of(spec: RunSpec) -> str:
+        state = run_state(spec, plan.steps)
+        recorded = plan.recorded
+        if state == "done" or spec.is_sft or recorded is None or spec.key not in recorded.rows:
+            return state
+        if spec.seed in recorded.complete_seeds or recorded.counts_here(
+                spec.key, (here, warmup_hash(plan.args.output_dir, spec.sft_seed))):
+            return "recorded"
+        return state
+    return state_of
+
+
 def run_plan(plan: AblationPlan, launch: Launch) -> dict[tuple[str, int], RunResult]:
-    """A shared warm-up first and alone, on every core (no other run can start before it ends); then the rest, up
-    to --jobs at once, each on its own cores. ExperimentInterrupted on Ctrl-C / SIGTERM (under
-    :func:`~megatron_dynamo.experiments.executor.run_then_finish`'s stop_signals)."""
+    """A shared warm-up first and alone, on every core (no other run can start before it ends; not run when every
+    other run is recorded in the raw data); then the rest, up to --jobs at once, each on its own cores.
+    ExperimentInterrupted on Ctrl-C / SIGTERM (under :func:`~megatron_dynamo.experiments.executor.run_then_finish`'s
+    stop_signals)."""
     jobs, steps = plan.args.jobs, plan.steps
     slots = cpu_slots(jobs)
     report = lambda result, done, total: print(result_line(result, steps, done, total), flush=True)  # noqa: E731
-    state_of = lambda spec: run_state(spec, steps)  # noqa: E731
+    state_of = _state_of(plan)
     command_for = _command_for(plan)
     shared = [s for s in plan.specs if s.is_sft] if plan.shared_sft_seed is not None else []
     rest = [s for s in plan.specs if s not in shared]
+    complete = plan.recorded.complete_seeds if plan.recorded is not None else frozenset()
+    if all(s.seed in complete for s in rest):
+        shared = []  # nothing will start from it here
     results = execute(shared, state_of, command_for, launch, jobs=1, report=report, announce=announce,
                       env_for=lambda slot: child_environment(os.environ, 1, None)) if shared else {}
     if shared and not results[shared[0].key].ok:
@@ -223,15 +278,14 @@ def _settings(plan: AblationPlan) -> dict[str, Any]:
 def finish(plan: AblationPlan, results: dict[tuple[str, int], RunResult]) -> int:
     """Collector -> Analysis -> ablation.json/.md/.png, the report page and (--raw-data) the raw data."""
     args = plan.args
-    finished = {key for key, result in results.items() if result.ok}
+    finished = {key for key, result in results.items() if result.local}
     summaries = collect(plan.specs, finished, steps=plan.steps, k=plan.k, threshold=args.threshold,
                         window=args.window, budget=plan.budget)
     analysis = analyse(summaries, plan.variants, plan.seeds, k=plan.k, resamples=args.bootstrap)
     paths = write_outputs(args.output_dir, specs=plan.specs, results=results, summaries=summaries,
                           analysis=analysis, settings=_settings(plan), budget=plan.budget)
     if args.raw_data:
-        paths.update(write_raw(args.raw_data, args.output_dir, plan.record or {}, steps=plan.steps, k=plan.k,
-                               with_sft=plan.with_sft, shared_sft_seed=plan.shared_sft_seed))
+        paths.update(write_raw_data_of(plan))
     with open(paths["md"], encoding="utf-8") as f:
         print("\n" + f.read())
     print("wrote " + ", ".join(paths.values()))
@@ -260,4 +314,17 @@ def run_ablation(args, launch: Launch | None = None) -> int:
           f"{len(plan.specs)} runs of {plan.steps} steps, {plan.per_step} rollouts/step; {args.jobs} at once"
           + (f" ({len(slots[0])} core(s) each)" if args.jobs > 1 else "") + f" -> {args.output_dir}", flush=True)
     return run_then_finish("ablate", lambda: run_plan(plan, launch or SubprocessLauncher()),
-                           lambda results: finish(plan, results))
+                           lambda results: finish(plan, results),
+                           interrupted=(lambda: _keep_raw_data(plan)) if args.raw_data else None)
+
+
+def write_raw_data_of(plan: AblationPlan) -> dict[str, str]:
+    """--raw-data DIR: runs.csv, problems.csv.gz and plan.json of every finished run (``outputs.write_raw``)."""
+    return write_raw(plan.args.raw_data, plan.args.output_dir, plan.record or {}, steps=plan.steps, k=plan.k,
+                     with_sft=plan.with_sft, shared_sft_seed=plan.shared_sft_seed)
+
+
+def _keep_raw_data(plan: AblationPlan) -> None:
+    """Interrupted: the raw data of every run that finished, so that a pause loses none of them (no tables)."""
+    paths = write_raw_data_of(plan)
+    print(f"dynamo ablate: kept the raw data of the finished runs in {paths['runs']}", file=sys.stderr)

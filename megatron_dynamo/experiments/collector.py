@@ -1,7 +1,7 @@
 """The Collector stage: what a run left in its directory. Its metrics and prompts (:func:`read_run`), its
-checkpoints, its state for a resume (:func:`run_state`: done / resume / fresh), its wall time (``ablate_run.json``:
-:func:`record_seconds`, :func:`recorded_seconds`) and the numbers of every finished run of an ablation
-(:func:`collect`, one :func:`~megatron_dynamo.experiments.stats.run_summary` each)."""
+checkpoints, its state for a resume (:func:`run_state`: done / resume / fresh), its wall time and machine
+(``ablate_run.json``: :func:`record_seconds`, :func:`run_record`) and the numbers of every finished run of an
+ablation (:func:`collect`, one :func:`~megatron_dynamo.experiments.stats.run_summary` each)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 from typing import Any, Sequence
 
 from megatron_dynamo.experiments.plan import RunSpec
+from megatron_dynamo.experiments.provenance import machine_id
 from megatron_dynamo.experiments.stats import has_final_eval, run_summary, training_rows
 from megatron_dynamo.experiments.variants import SFT
 from megatron_dynamo.report.runs import METRICS_FILE, load_run
@@ -48,17 +49,26 @@ def run_state(spec: RunSpec, steps: int) -> str:
 
 
 def record_seconds(spec: RunSpec, seconds: float, resumed: bool) -> None:
-    """Keep a finished run's wall time in its directory (``resumed``: the time of the call that finished it)."""
+    """Keep a finished run's wall time and the machine it ran on in its directory (``resumed``: the time of the
+    call that finished it)."""
     with contextlib.suppress(OSError):  # a lost record costs a time in a table, not the run
         with open(os.path.join(spec.output_dir, RUN_RECORD), "w", encoding="utf-8") as f:
-            json.dump({"seconds": seconds, "resumed": resumed}, f)
+            json.dump({"seconds": seconds, "resumed": resumed, "machine": machine_id()}, f)
+
+
+def run_record(spec: RunSpec) -> dict[str, Any]:
+    """What :func:`record_seconds` kept of a finished run (``ablate_run.json``), or {}."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(spec.output_dir, RUN_RECORD), encoding="utf-8") as f:
+            record = json.load(f)
+            return record if isinstance(record, dict) else {}
+    return {}
 
 
 def recorded_seconds(spec: RunSpec) -> float | None:
     """A finished run's wall time kept in its directory (``ablate_run.json``), or None."""
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        with open(os.path.join(spec.output_dir, RUN_RECORD), encoding="utf-8") as f:
-            return float(json.load(f)["seconds"])
+    with contextlib.suppress(TypeError, ValueError, KeyError):
+        return float(run_record(spec)["seconds"])
     return None
 
 

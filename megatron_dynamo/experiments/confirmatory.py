@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.experiments.variants import HIGH_LR
+from megatron_dynamo.experiments.variants import GROUPS, HIGH_LR
 from megatron_dynamo.experiments.paired_stats import holm, paired_t
 
 SEEDS = tuple(range(6, 16))
@@ -63,6 +63,19 @@ DESCRIPTIVE: tuple[Hypothesis, ...] = (
     Hypothesis("D2", f"GC at lr {HIGH_LR}, marginal over UMS", _marginal(("gc-hlr", "gc+ums-hlr"), ("grpo-hlr", "ums-hlr")),
                seeds=HIGH_LR_SEEDS),
 )
+
+
+def preregistered_runs() -> list[tuple[str, int]]:
+    """(variant, seed) of every preregistered run, seed-major: the confirmatory group on :data:`SEEDS`, the
+    high-learning-rate grid on :data:`HIGH_LR_SEEDS` (152 runs)."""
+    return [(v, seed) for seed in SEEDS for v in (*GROUPS["confirmatory"],
+                                                   *(GROUPS["high_lr"] if seed in HIGH_LR_SEEDS else ()))]
+
+
+def missing_runs(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, int]]:
+    """The preregistered runs that ``rows`` lack (a row without its pass@1 counts as missing)."""
+    present = {(r["variant"], int(r["seed"])) for r in rows if r.get("pass1") is not None}
+    return [run for run in preregistered_runs() if run not in present]
 
 
 def per_seed_contrast(pass1: Mapping[tuple[str, int], float], hypothesis: Hypothesis) -> dict[int, float]:
@@ -146,4 +159,4 @@ def answers(tests: Mapping[str, Mapping[str, Any]], descriptive: Mapping[str, Ma
 
 
 __all__ = ["ALPHA", "DEGRADATION", "DESCRIPTIVE", "EQUIVALENCE_MARGIN", "HIGH_LR_SEEDS", "HYPOTHESES", "Hypothesis",
-           "SEEDS", "analyse_runs", "answers", "per_seed_contrast", "verdict"]
+           "SEEDS", "analyse_runs", "answers", "missing_runs", "per_seed_contrast", "preregistered_runs", "verdict"]

@@ -142,13 +142,14 @@ class ExperimentInterrupted(Exception):
 
 
 Launch = Callable[[Sequence[str], Mapping[str, str], str], int]
-StateOf = Callable[[RunSpec], str]  # "done" (reuse), "resume" or "fresh" (start over in an emptied directory)
+StateOf = Callable[[RunSpec], str]  # "done" (reuse), "recorded" (finished elsewhere: in the raw data, not run
+# here), "resume" or "fresh" (start over in an emptied directory)
 
 
 @dataclass
 class RunResult:
     spec: RunSpec
-    status: str  # "reused", "ok", "failed", "skipped"
+    status: str  # "reused", "recorded" (finished on another machine: in the raw data), "ok", "failed", "skipped"
     returncode: int | None = None
     seconds: float | None = None
     resumed: bool = False
@@ -157,6 +158,11 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
+        return self.status in ("reused", "recorded", "ok")
+
+    @property
+    def local(self) -> bool:
+        """Finished in its own directory here (its metrics can be read), not only recorded in the raw data."""
         return self.status in ("reused", "ok")
 
 
@@ -283,9 +289,14 @@ class Executor:
 
     def run(self) -> dict[tuple[str, int], RunResult]:
         for spec in list(self.pending):
-            if self.reuse and self.state_of(spec) == "done":
+            state = self.state_of(spec) if self.reuse else None
+            if state == "done":
                 self.finish(RunResult(spec, "reused", seconds=recorded_seconds(spec)))
-                self.pending.remove(spec)
+            elif state == "recorded":
+                self.finish(RunResult(spec, "recorded", message="in the raw data, finished elsewhere"))
+            else:
+                continue
+            self.pending.remove(spec)
         pool = futures.ThreadPoolExecutor(max_workers=max(1, self.jobs), thread_name_prefix="experiment-run")
         try:
             while self.pending or self.running:
@@ -324,13 +335,17 @@ def execute(specs: Sequence[RunSpec], state_of: StateOf, command_for: Callable[[
 
 
 def run_then_finish(command: str, run: Callable[[], dict[tuple[str, int], RunResult]],
-                    finish: Callable[[dict[tuple[str, int], RunResult]], int]) -> int:
+                    finish: Callable[[dict[tuple[str, int], RunResult]], int],
+                    interrupted: Callable[[], None] | None = None) -> int:
     """``finish(run())``, the run under :func:`stop_signals` (SIGTERM and an ignored SIGINT stop it like Ctrl-C);
-    interrupted: the line saying how to resume on stderr, exit status 130."""
+    interrupted: ``interrupted()`` (what must be kept of the finished runs), the line saying how to resume on
+    stderr, exit status 130."""
     try:
         with stop_signals():
             results = run()
     except ExperimentInterrupted as exc:
+        if interrupted is not None:
+            interrupted()
         print(f"dynamo {command}: {exc}", file=sys.stderr)
         return 130
     return finish(results)

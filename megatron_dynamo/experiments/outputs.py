@@ -9,11 +9,13 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.experiments.collector import recorded_seconds, run_state
+from megatron_dynamo.experiments.collector import recorded_seconds, run_record, run_state
 from megatron_dynamo.experiments.executor import RunResult
-from megatron_dynamo.experiments.plan import RunSpec, plan_runs
+from megatron_dynamo.experiments.plan import RunSpec, merge_plan, plan_runs, warmup_hash
 from megatron_dynamo.experiments.plot import plot_ablation
-from megatron_dynamo.experiments.raw_data import FinishedRun, write_raw_data
+from megatron_dynamo.experiments.provenance import machine_id
+from megatron_dynamo.experiments.raw_data import (PLAN_FILE, FinishedRun, RawData, merge_rows, read_raw_data,
+                                                  run_problems, run_row, write_raw_data)
 from megatron_dynamo.experiments.tables import format_markdown
 from megatron_dynamo.experiments.variants import display_order
 from megatron_dynamo.report.page import write_report
@@ -71,13 +73,25 @@ def write_outputs(output_dir: str, *, specs: Sequence[RunSpec], results: Mapping
 
 def write_raw(raw_dir: str, output_dir: str, plan: Mapping[str, Any], *, steps: int, k: int, with_sft: bool,
               shared_sft_seed: int | None) -> dict[str, str]:
-    """runs.csv and problems.csv.gz (``experiments/raw_data.py``) in ``raw_dir`` of every finished run that the plan of
-    ``output_dir`` holds (every seed and variant any call added, not only this call's): the SFT warm-up(s) first,
-    then the variants in display order, each over its seeds."""
-    seeds = sorted(int(s) for s in plan.get("seeds", []))
-    specs = plan_runs(output_dir, seeds, display_order(plan.get("variants", [])), with_sft, shared_sft_seed)
-    specs = sorted(specs, key=lambda s: (not s.is_sft, 0 if s.is_sft else display_order(plan["variants"])
-                                         .index(s.variant), s.seed))
-    finished = [FinishedRun(s.variant, s.seed, s.output_dir, recorded_seconds(s)) for s in specs
-                if run_state(s, steps) == "done"]
-    return write_raw_data(raw_dir, finished, k)
+    """runs.csv, problems.csv.gz and plan.json (``experiments/raw_data.py``) in ``raw_dir``: every finished run of
+    ``output_dir`` that the plan holds (every seed and variant any call added, here or in the raw data), each with
+    the machine it ran on and the hash of its warm-up, merged with the runs the files held before (other
+    machines'), one (machine, warm-up) per seed (:func:`~megatron_dynamo.experiments.raw_data.merge_rows`)."""
+    recorded = read_raw_data(raw_dir) or RawData([], [])
+    merged = merge_plan(recorded.plan, plan, os.path.join(raw_dir, PLAN_FILE))
+    variants = display_order(merged.get("variants", []))
+    specs = plan_runs(output_dir, sorted(int(s) for s in merged.get("seeds", [])), variants, with_sft,
+                      shared_sft_seed)
+    here = machine_id()
+    local = {}
+    for s in specs:
+        if run_state(s, steps) == "done":
+            run = FinishedRun(s.variant, s.seed, s.output_dir, recorded_seconds(s),
+                              run_record(s).get("machine") or here, warmup_hash(output_dir, s.seed if s.is_sft
+                                                                                else s.sft_seed))
+            row = run_row(run, k)
+            local[id(row)] = (row, run)  # merge_rows keeps the row objects: their runs' problems are read below
+    rows = merge_rows([row for row, _ in local.values()], recorded.rows, variants)
+    problems = [p for row in rows for p in (run_problems(local[id(row)][1]) if id(row) in local
+                                            else recorded.problems_of(row))]
+    return write_raw_data(raw_dir, rows, problems, merged)

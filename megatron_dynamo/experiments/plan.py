@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from megatron_dynamo.experiments.provenance import checkpoint_hash
 from megatron_dynamo.experiments.variants import SFT, VARIANTS
 from megatron_dynamo.trainer.checkpoint import latest_checkpoint
 
@@ -92,6 +93,13 @@ def sft_checkpoint(path: str) -> str | None:
     return str(latest) if latest is not None else None
 
 
+def warmup_hash(output_dir: str, sft_seed: int | None) -> str:
+    """The hash of the warm-up a run of ``output_dir`` starts from (the latest checkpoint of the SFT run of seed
+    ``sft_seed``, :func:`~megatron_dynamo.experiments.provenance.checkpoint_hash`); "" without one (yet)."""
+    checkpoint = sft_checkpoint(run_dir(output_dir, SFT, sft_seed)) if sft_seed is not None else None
+    return checkpoint_hash(checkpoint) if checkpoint else ""
+
+
 def plan_record(config: str, overrides: Sequence[str], recipe: Mapping[str, Any], budget: Mapping[str, Any],
                 seeds: Sequence[int], variants: Sequence[str]) -> dict[str, Any]:
     """What ``ablation_plan.json`` holds. ``recipe``: the resolved config (YAML + overrides) as plain data."""
@@ -99,18 +107,36 @@ def plan_record(config: str, overrides: Sequence[str], recipe: Mapping[str, Any]
             "budget": dict(budget), "seeds": list(seeds), "variants": list(variants)}
 
 
-def merge_plan(existing: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
-    """The plan to write: ``new`` when there is none; ValueError when the config, overrides, resolved recipe or
-    budget differ from ``existing``; else seeds and variants are the union (existing first)."""
+def first_difference(old: Any, new: Any, prefix: str = "") -> str | None:
+    """The dotted key of the first value of ``old`` that ``new`` lacks or changes, or None. A key only ``new`` has
+    is no difference: a later version's new option, at its default, leaves the runs as they were."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        for key, value in old.items():
+            where = f"{prefix}.{key}" if prefix else str(key)
+            if key not in new:
+                return where
+            found = first_difference(value, new[key], where)
+            if found is not None:
+                return found
+        return None
+    return None if old == new else (prefix or "(the whole recipe)")
+
+
+def merge_plan(existing: Mapping[str, Any] | None, new: Mapping[str, Any], where: str = PLAN_FILE) -> dict[str, Any]:
+    """The plan to write: ``new`` when there is none; ValueError when the config, overrides, budget or a value of the
+    resolved recipe differ from ``existing`` (``where``: the file it came from, for the message); else seeds and
+    variants are the union (existing first)."""
     if existing is None:
         return dict(new)
-    for key in ("config", "overrides", "budget", "recipe"):
+    for key in ("config", "overrides", "budget"):
         if existing.get(key) != new.get(key):
-            what = {"config": "the recipe path", "overrides": "the overrides", "budget": "the rollout budget",
-                    "recipe": "the resolved recipe (the YAML file changed?)"}[key]
-            detail = "" if key == "recipe" else f": {existing.get(key)!r} there, {new.get(key)!r} now"
-            raise ValueError(f"{what} differs from the existing ablation's {PLAN_FILE}{detail}; use another "
-                             "--output-dir (or delete that directory)")
+            what = {"config": "the recipe path", "overrides": "the overrides", "budget": "the rollout budget"}[key]
+            raise ValueError(f"{what} differs from the existing ablation's {where}: {existing.get(key)!r} there, "
+                             f"{new.get(key)!r} now")
+    changed = first_difference(existing.get("recipe"), new.get("recipe"))
+    if changed is not None:
+        raise ValueError(f"the resolved recipe (the YAML file changed?) differs from the existing ablation's {where} "
+                         f"at {changed}")
     merged = dict(existing)
     merged["seeds"] = list(existing.get("seeds", [])) + [s for s in new["seeds"] if s not in existing.get("seeds", [])]
     merged["variants"] = list(existing.get("variants", [])) + [v for v in new["variants"]
