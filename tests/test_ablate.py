@@ -535,6 +535,15 @@ def test_a_new_machine_runs_only_what_the_raw_data_lacks_and_never_splits_a_seed
                                                                ("grpo", 3, "CPU C")]
     assert [r for r in _raw_rows(raw) if r[0] == "sft"] == [("sft", RECIPE_SEED, "CPU A"),
                                                             ("sft", RECIPE_SEED, "CPU C")]
+    # with a warm-up per seed, a seed complete in the raw data needs no warm-up here either
+    per_seed = tmp_path / "raw_per_seed"
+    assert ablate.main(_args(recipe, tmp_path / "e", "--seeds", "1", "--variants", "grpo", "--raw-data",
+                             str(per_seed)), launch=FakeTrainer()) == 0
+    _on_machine(monkeypatch, "CPU D")
+    fake = FakeTrainer()
+    assert ablate.main(_args(recipe, tmp_path / "f", "--seeds", "1", "--variants", "grpo", "--raw-data",
+                             str(per_seed)), launch=fake) == 0
+    assert fake.calls == []
     # the runs recorded there belong to one plan: another one is refused before anything runs
     capsys.readouterr()
     fake = FakeTrainer(sft_per_seed=False)

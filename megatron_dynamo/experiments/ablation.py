@@ -229,7 +229,11 @@ def _state_of(plan: AblationPlan) -> StateOf:
     def state_of(spec: RunSpec) -> str:
         state = run_state(spec, plan.steps)
         recorded = plan.recorded
-        if state == "done" or spec.is_sft or recorded is None or spec.key not in recorded.rows:
+        if state == "done" or recorded is None:
+            return state
+        if spec.is_sft:  # a seed's own warm-up (--sft-per-seed) is not needed when the seed is complete there
+            return "recorded" if plan.shared_sft_seed is None and spec.seed in recorded.complete_seeds else state
+        if spec.key not in recorded.rows:
             return state
         if spec.seed in recorded.complete_seeds or recorded.counts_here(
                 spec.key, (here, warmup_hash(plan.args.output_dir, spec.sft_seed))):
