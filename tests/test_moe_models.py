@@ -14,10 +14,10 @@ import torch
 from hf_reference import (REPO, TINY_QWEN2_MOE, TINY_QWEN3_MOE, hf_checkpoint_state_dict, hf_model,
                           read_hf_checkpoint)
 from megatron_dynamo.config import ConfigError
-from megatron_dynamo.models.qwen import (MoEConfig, MoEArchitecture, UnsupportedModelConfig, _moe_kwargs,
-                                         load_hf_config, parse_qwen_config)
-from megatron_dynamo.parallel.topology import (check_expert_tensor_parallel_on_cpu, check_experts, JobTopology,
-                                               TrainingLayout)
+from megatron_dynamo.models.qwen import (MoEArchitecture, MoEConfig, UnsupportedModelConfig, load_hf_config,
+                                         moe_architecture_kwargs, parse_qwen_config)
+from megatron_dynamo.parallel.topology import (JobTopology, TrainingLayout, check_expert_tensor_parallel_on_cpu,
+                                               check_experts)
 from megatron_dynamo.trainer.config import load_run_config
 from multiproc import run_on_ranks
 
@@ -47,7 +47,7 @@ def test_tiny_qwen3_moe_maps_every_field():
         "qwen3_moe", True, False, 32, 256)
     assert arch.moe == MoEArchitecture(num_experts=8, top_k=2, expert_intermediate_size=64, norm_topk_prob=True,
                                        layer_pattern=(0, 1, 1, 1), shared_expert_intermediate_size=0)
-    kwargs = _moe_kwargs(arch.moe)
+    kwargs = moe_architecture_kwargs(arch.moe)
     assert kwargs == dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_layer_freq=[0, 1, 1, 1],
                           moe_router_score_function="softmax", moe_router_pre_softmax=False,
                           moe_router_topk_scaling_factor=None, moe_router_dtype="fp32",
@@ -61,7 +61,7 @@ def test_tiny_qwen2_moe_maps_the_shared_expert_and_biases():
     assert (arch.model_type, arch.qk_norm, arch.qkv_bias, arch.tie_word_embeddings) == ("qwen2_moe", False, True, True)
     assert arch.moe == MoEArchitecture(num_experts=4, top_k=2, expert_intermediate_size=64, norm_topk_prob=False,
                                        layer_pattern=(1, 1, 1), shared_expert_intermediate_size=128)
-    kwargs = _moe_kwargs(arch.moe)
+    kwargs = moe_architecture_kwargs(arch.moe)
     assert (kwargs["moe_router_pre_softmax"], kwargs["moe_shared_expert_intermediate_size"],
             kwargs["moe_shared_expert_gate"]) == (True, 128, True)
 
@@ -92,8 +92,8 @@ def test_layer_pattern_is_where_hf_builds_sparse_blocks(family, step, mlp_only):
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_megatrons_routing_settings_reproduce_hfs_router(family, norm_topk_prob):
-    """Megatron's top-k routing with the settings :func:`_moe_kwargs` picks gives HF's routing weights on random
-    inputs; the other pre-softmax choice does not (so the check can tell them apart)."""
+    """Megatron's top-k routing with the settings :func:`moe_architecture_kwargs` picks gives HF's routing weights on
+    random inputs; the other pre-softmax choice does not (so the check can tell them apart)."""
     import transformers
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
@@ -110,7 +110,7 @@ def test_megatrons_routing_settings_reproduce_hfs_router(family, norm_topk_prob)
     _, weights, indices = router(hidden)
     expected = torch.zeros(64, 8).scatter(1, indices, weights)
 
-    kwargs = _moe_kwargs(parse_qwen_config(cfg).moe)
+    kwargs = moe_architecture_kwargs(parse_qwen_config(cfg).moe)
     logits = hidden.float() @ router.weight.detach().float().t()
 
     def megatron_probs(pre_softmax: bool) -> torch.Tensor:

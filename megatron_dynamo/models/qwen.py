@@ -200,7 +200,8 @@ def parse_moe_config(cfg: dict[str, Any], num_layers: int) -> MoEArchitecture:
         if cfg.get(field) not in (None, *same_as_qwen):
             raise UnsupportedModelConfig(f"config.json: {field}={cfg[field]!r} is not supported (Qwen's router: "
                                          "softmax over all experts, then the top num_experts_per_tok)")
-    # transformers >= 5 writes qwen3_moe's expert count as num_local_experts (its attribute map), older ones num_experts.
+    # transformers >= 5 writes qwen3_moe's expert count as num_local_experts (its attribute map); older ones and
+    # Hub checkpoints num_experts.
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
         raise UnsupportedModelConfig(f"config.json: num_experts must be an integer >= 1 for model_type "
@@ -314,7 +315,7 @@ class MoEConfig:
                     moe_aux_loss_coeff=self.aux_loss_coef, moe_z_loss_coeff=self.z_loss_coef or None)
 
 
-def _moe_kwargs(moe: MoEArchitecture) -> dict:
+def moe_architecture_kwargs(moe: MoEArchitecture) -> dict:
     """The ``TransformerConfig`` keys of a Qwen MoE architecture: HF's router and experts, exactly."""
     shared = moe.shared_expert_intermediate_size
     return dict(
@@ -399,7 +400,7 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
         cross_entropy_loss_fusion=False,
     )
     if arch.moe:
-        kwargs.update(_moe_kwargs(arch.moe), **(moe or MoEConfig()).transformer_config_kwargs(),
+        kwargs.update(moe_architecture_kwargs(arch.moe), **(moe or MoEConfig()).transformer_config_kwargs(),
                       expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
                       expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size())
     if "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)}:

@@ -9,10 +9,12 @@ A job of W ranks:
 The training ranks form Megatron's groups of ``parallel.tensor_parallel x pipeline_parallel x context_parallel``
 ranks (the rest is data parallel). A mixture-of-experts model's expert layers split the same ranks their own way:
 each pipeline stage's ranks in groups of ``parallel.expert_parallel x expert_tensor_parallel`` (the experts divided
-over the first, each expert split over the second; the rest is the experts' data parallel). The engine ranks form engines of ``rollout.tensor_parallel`` consecutive ranks
-(vLLM's ``external_launcher`` groups them so); the first rank of an engine (its *leader*) scores the engine's
-responses. Rank 0 is the job's leader (it prints and writes); in a separate job the first engine rank sends every
-scored batch to the trainer ranks and rank 0 sends the weights to the engine ranks.
+over the first, each expert split over the second; the rest is the experts' data parallel).
+
+The engine ranks form engines of ``rollout.tensor_parallel`` consecutive ranks (vLLM's ``external_launcher`` groups
+them so); the first rank of an engine (its *leader*) scores the engine's responses. Rank 0 is the job's leader (it
+prints and writes); in a separate job the first engine rank sends every scored batch to the trainer ranks and rank 0
+sends the weights to the engine ranks.
 
 :meth:`JobTopology.resolve` builds the topology from the ``parallel`` and ``rollout`` sections and the world size
 (``launch/``: the launcher's, or ``--nproc``), raising :class:`~megatron_dynamo.config.ConfigError` (one line,
@@ -77,7 +79,8 @@ def check_expert_layout(ranks: int, pipeline_parallel: int, expert_parallel: int
     stage_ranks = ranks // pipeline_parallel
     check_divides(f"parallel.expert_parallel x expert_tensor_parallel = {experts_groups}", experts_groups,
                   f"the {stage_ranks} training ranks of each pipeline stage", stage_ranks,
-                  "the expert layers split each stage's data x tensor x context parallel ranks into whole expert groups")
+                  "the expert layers split each stage's data x tensor x context parallel ranks into whole expert "
+                  "groups")
 
 
 def check_experts(num_experts: int, expert_parallel: int) -> None:
