@@ -44,8 +44,8 @@ def hf_checkpoint_state_dict(model, directory) -> dict[str, torch.Tensor]:
     """The tensors of ``model`` as an HF checkpoint holds them: saved with ``save_pretrained`` into ``directory`` and
     read back (:func:`read_hf_checkpoint`). transformers >= 5 keeps MoE experts fused in memory
     (``mlp.experts.gate_up_proj``) and writes them per expert (``mlp.experts.{e}.gate_proj.weight``), the names
-    checkpoints and vLLM use. Call it outside torch.distributed: ``save_pretrained`` on a rank of a process group
-    writes only that rank's part."""
+    checkpoints and vLLM use. Call it outside torch.distributed: called on rank 1 of a gloo group,
+    ``save_pretrained`` wrote a checkpoint without ``model.embed_tokens.weight``."""
     model.save_pretrained(directory)
     return read_hf_checkpoint(directory)
 
