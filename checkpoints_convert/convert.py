@@ -163,9 +163,12 @@ def _hf_to_megatron_rank(hf_dir: str, arch: QwenArchitecture, dtype: str, tp: in
     info = runtime.init_distributed(runtime.ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0)
     reader = HFCheckpointReader(hf_dir)
     # Each rank reads the tensors of its own pipeline stage; count them for the progress line.
-    per_layer = sum(len(m.hf_names) for m in layer_mappings(arch))
     first, last = info.pp_rank == 0, info.pp_rank == pp - 1
-    total = (arch.num_layers // pp) * per_layer + first + last + (last and not (arch.tie_word_embeddings and first))
+    per_stage = arch.num_layers // pp
+    stage_layers = range(info.pp_rank * per_stage, (info.pp_rank + 1) * per_stage)
+    layer_tensors = sum(len(m.hf_names) for layer in stage_layers
+                        for m in layer_mappings(arch, moe_layer=arch.is_moe_layer(layer)))
+    total = layer_tensors + first + last + (last and not (arch.tie_word_embeddings and first))
     progress = Progress(f"hf-to-megatron (rank {info.rank})", total, _quiet if quiet else _stderr,
                         enabled=info.rank == 0)
     seen: set[str] = set()

@@ -34,7 +34,7 @@ def test_tiny_configs_can_be_served_by_cpu_vllm():
 
 
 @pytest.mark.parametrize("change,field", [
-    ({"model_type": "qwen2_moe"}, "model_type"),
+    ({"model_type": "mixtral"}, "model_type"),
     ({"num_experts": 64}, "num_experts"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),

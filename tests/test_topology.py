@@ -26,7 +26,8 @@ CPU_DEFAULT = str(ROOT / "configs" / "cpu_default.yaml")
 
 
 def _sections(tp=1, pp=1, cp=1, rollout_tp=1, engine_ranks=0):
-    parallel = SimpleNamespace(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
+    parallel = SimpleNamespace(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=1,
+                               expert_tensor_parallel=1)
     rollout = SimpleNamespace(tensor_parallel=rollout_tp, placement="separate" if engine_ranks else "colocated",
                               engine_ranks=engine_ranks)
     return parallel, rollout

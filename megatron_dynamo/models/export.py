@@ -138,8 +138,10 @@ def _gather_tensor_parallel(own: ParamMapping, param: torch.Tensor, ranks: _Expo
     (``dst_rank`` None) or on the one with dst's TP rank; None elsewhere."""
     tp_size, tensors = ranks.tp_size, None
     shard = param.detach().contiguous()
-    if isinstance(own, ReplicatedMapping) or tp_size == 1:
-        shards = [shard] * tp_size if tp_size > 1 else [shard]
+    if isinstance(own, ReplicatedMapping) or tp_size == 1 or own.expert:
+        # Whole on every TP rank: a replicated parameter, or an expert's weight (expert tensor parallel 1, checked by
+        # iter_hf_weights).
+        shards = [shard]
         if dst_rank is None or ranks.tp_rank == ranks.dst_tp:
             tensors = own.to_hf(shards)
     elif dst_rank is None:
@@ -196,6 +198,10 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, t
     out_dtype = dtype or params[0].dtype
     order = global_mappings(arch, te_spec)
     ps = _world_state()
+    if ps is not None and arch.moe is not None and (ps.get_expert_model_parallel_world_size() > 1
+                                                    or ps.get_expert_tensor_parallel_world_size() > 1):
+        raise MappingError("exporting a mixture-of-experts model from parallel.expert_parallel or "
+                           "expert_tensor_parallel > 1 is not supported yet")
     if ps is None or dist.get_world_size() == 1:
         yield from _single_process_weights(order, local, out_dtype)
         return

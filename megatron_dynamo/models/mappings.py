@@ -1,4 +1,4 @@
-"""Typed HF <-> Megatron parameter mappings for Qwen2 / Qwen2.5 / Qwen3.
+"""Typed HF <-> Megatron parameter mappings for Qwen2 / Qwen2.5 / Qwen3 and Qwen2-MoE / Qwen3-MoE.
 
 Each mapping knows one Megatron parameter (per layer where templated), the HF tensors it is made of, how the
 parameter is split over tensor-parallel ranks, and how to go both ways:
@@ -13,6 +13,11 @@ Layouts (Megatron-Core GPTModel, local or Transformer-Engine spec):
   [gate; up] but a TP=2 rank is not a contiguous slice of it.
 - column-parallel (``output_layer``, word embeddings): split rows; row-parallel (``linear_proj``,
   ``linear_fc2``): split columns; norms: replicated.
+- MoE layers (``mlp`` is Megatron's MoELayer with SequentialMLP experts): the router (HF ``mlp.gate``) replicated;
+  expert e's ``linear_fc1`` / ``linear_fc2`` from HF's per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (the
+  names HF checkpoints and vLLM's loaders use; transformers >= 5 fuses them into 3-D tensors in memory only), split
+  over the expert-tensor-parallel ranks; a rank of expert-parallel rank r holds experts r * E/EP .. as
+  ``local_experts.0 ..``. Qwen2-MoE's shared expert is a tensor-parallel gated MLP, its sigmoid gate replicated.
 The same mappings serve checkpoint conversion and the export of live trainer weights to the rollout engine
 (:func:`megatron_dynamo.models.export.iter_hf_weights`).
 
@@ -37,13 +42,17 @@ from megatron_dynamo.models.qwen import QwenArchitecture
 __all__ = [  # the mapping types are re-exported: importers name them from here
     "GatedMLPMapping", "MappingError", "ParamMapping", "QKVMapping", "ReplicatedMapping", "RowPiece", "SplitMapping",
     "IGNORED_HF_TENSOR_SUFFIXES", "check_hf_tensor_shapes", "chunk_mappings", "embedding_mapping", "final_norm_mapping",
-    "global_mappings", "hf_parameter_names", "hf_parameter_shapes", "layer_mappings", "load_hf_weights",
-    "output_mapping", "unwrap_model",
+    "gated_mlp_mappings", "global_mappings", "hf_parameter_names", "hf_parameter_shapes", "layer_mappings",
+    "load_hf_weights", "moe_mappings", "output_mapping", "unwrap_model",
 ]
 
 
-def layer_mappings(arch: QwenArchitecture, te_spec: bool = False) -> list[ParamMapping]:
-    """Per-layer mappings, templated with ``{layer}`` (Megatron side: the layer's index within its chunk)."""
+def layer_mappings(arch: QwenArchitecture, te_spec: bool = False, moe_layer: bool = False,
+                   experts: Sequence[int] | None = None) -> list[ParamMapping]:
+    """Per-layer mappings, templated with ``{layer}`` (Megatron side: the layer's index within its chunk).
+
+    ``moe_layer``: the layer's MLP is a mixture of experts (:meth:`QwenArchitecture.is_moe_layer`); ``experts``: the
+    global indices of the experts this rank holds, in local order (default: all of them, expert parallel 1)."""
     hf = "model.layers.{layer}."
     mg = "decoder.layers.{layer}."
     qkv = dict(num_heads=arch.num_attention_heads, num_groups=arch.num_query_groups, head_dim=arch.head_dim)
@@ -51,7 +60,8 @@ def layer_mappings(arch: QwenArchitecture, te_spec: bool = False) -> list[ParamM
     q_rows, kv_rows = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
     # The TE spec fuses the pre-attention and pre-MLP norms into linear_qkv / linear_fc1.
     input_norm = mg + ("self_attention.linear_qkv.layer_norm_weight" if te_spec else "input_layernorm.weight")
-    mlp_norm = mg + ("mlp.linear_fc1.layer_norm_weight" if te_spec else "pre_mlp_layernorm.weight")
+    # The TE spec fuses the pre-MLP norm into a dense linear_fc1 only: its MoE layers keep a norm of their own.
+    mlp_norm = mg + ("mlp.linear_fc1.layer_norm_weight" if te_spec and not moe_layer else "pre_mlp_layernorm.weight")
     maps: list[ParamMapping] = [
         ReplicatedMapping(input_norm, (hf + "input_layernorm.weight",), ((hidden,),)),
         QKVMapping(mg + "self_attention.linear_qkv.weight",
@@ -60,9 +70,7 @@ def layer_mappings(arch: QwenArchitecture, te_spec: bool = False) -> list[ParamM
         SplitMapping(mg + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",),
                      ((hidden, q_rows),), dim=1),
         ReplicatedMapping(mlp_norm, (hf + "post_attention_layernorm.weight",), ((hidden,),)),
-        GatedMLPMapping(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                        ((ffn, hidden), (ffn, hidden))),
-        SplitMapping(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), ((hidden, ffn),), dim=1),
+        *(moe_mappings(arch, experts) if moe_layer else gated_mlp_mappings(mg + "mlp.", hf + "mlp.", hidden, ffn)),
     ]
     if arch.qkv_bias:
         maps.append(QKVMapping(mg + "self_attention.linear_qkv.bias",
@@ -73,6 +81,32 @@ def layer_mappings(arch: QwenArchitecture, te_spec: bool = False) -> list[ParamM
                                    ((arch.head_dim,),)),
                  ReplicatedMapping(mg + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",),
                                    ((arch.head_dim,),))]
+    return maps
+
+
+def gated_mlp_mappings(mg: str, hf: str, hidden: int, ffn: int, expert: bool = False) -> list[ParamMapping]:
+    """A SwiGLU MLP: Megatron ``{mg}linear_fc1`` ([gate; up]) and ``{mg}linear_fc2`` from HF ``{hf}gate_proj``,
+    ``up_proj`` and ``down_proj``."""
+    return [GatedMLPMapping(mg + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                            ((ffn, hidden), (ffn, hidden)), expert=expert),
+            SplitMapping(mg + "linear_fc2.weight", (hf + "down_proj.weight",), ((hidden, ffn),), dim=1, expert=expert)]
+
+
+def moe_mappings(arch: QwenArchitecture, experts: Sequence[int] | None = None) -> list[ParamMapping]:
+    """A MoE layer's MLP (templated with ``{layer}``): the router, the experts this rank holds (global indices in
+    local order; default all), and Qwen2-MoE's shared expert with its gate."""
+    moe, hidden = arch.moe, arch.hidden_size
+    hf, mg = "model.layers.{layer}.mlp.", "decoder.layers.{layer}.mlp."
+    maps: list[ParamMapping] = [ReplicatedMapping(mg + "router.weight", (hf + "gate.weight",),
+                                                  ((moe.num_experts, hidden),))]
+    for local, expert in enumerate(range(moe.num_experts) if experts is None else experts):
+        maps += gated_mlp_mappings(mg + f"experts.local_experts.{local}.", hf + f"experts.{expert}.", hidden,
+                                   moe.expert_intermediate_size, expert=True)
+    if moe.shared_expert_intermediate_size:
+        maps += gated_mlp_mappings(mg + "shared_experts.", hf + "shared_expert.", hidden,
+                                   moe.shared_expert_intermediate_size)
+        maps.append(ReplicatedMapping(mg + "shared_experts.gate_weight", (hf + "shared_expert_gate.weight",),
+                                      ((1, hidden),)))
     return maps
 
 
@@ -100,7 +134,7 @@ def global_mappings(arch: QwenArchitecture, te_spec: bool = False) -> list[Param
     """
     maps = [embedding_mapping(arch)]
     for layer in range(arch.num_layers):
-        maps += [m.resolve(layer) for m in layer_mappings(arch, te_spec)]
+        maps += [m.resolve(layer) for m in layer_mappings(arch, te_spec, arch.is_moe_layer(layer))]
     maps.append(final_norm_mapping(arch))
     if not arch.tie_word_embeddings:
         maps.append(output_mapping(arch))
@@ -152,7 +186,9 @@ def chunk_mappings(model, arch: QwenArchitecture, te_spec: bool = False) -> Iter
     """The resolved mapping of every parameter of one (unwrapped) GPTModel chunk, with the parameter.
 
     Megatron names layers by their index within the chunk; the HF index is the layer's global number, read
-    from the layer itself (``layer_number`` is 1-based and includes the pipeline/virtual-stage offset).
+    from the layer itself (``layer_number`` is 1-based and includes the pipeline/virtual-stage offset). Likewise
+    experts: Megatron's by their index on this expert-parallel rank, HF's by their global index (read from the
+    layer's ``local_expert_indices``).
     """
     params = dict(model.named_parameters())
     seen = set()
@@ -166,7 +202,9 @@ def chunk_mappings(model, arch: QwenArchitecture, te_spec: bool = False) -> Iter
     if getattr(model, "pre_process", False):
         yield emit(embedding_mapping(arch))
     for local_index, layer in enumerate(model.decoder.layers):
-        for template in layer_mappings(arch, te_spec):
+        moe_layer = arch.is_moe_layer(layer.layer_number - 1)
+        experts = layer.mlp.local_expert_indices if moe_layer else None
+        for template in layer_mappings(arch, te_spec, moe_layer, experts):
             mapping = template.resolve(local_index)
             hf_mapping = template.resolve(layer.layer_number - 1)
             yield emit(type(mapping)(**{**mapping.__dict__, "hf_names": hf_mapping.hf_names}))
@@ -197,12 +235,13 @@ def load_hf_weights(chunks, arch: QwenArchitecture, get_hf_tensor, te_spec: bool
 
     if read_rows is not None and hf_shapes is None:
         raise ValueError("load_hf_weights: read_rows needs hf_shapes (name -> shape)")
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
+    etp = (parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size())
     count = 0
     for chunk in chunks:
         model = unwrap_model(chunk)
         for mapping, param in chunk_mappings(model, arch, te_spec):
+            tp_rank, tp_size = etp if mapping.expert else tp
             pieces = mapping.row_pieces(tp_rank, tp_size) if read_rows is not None else None
             if pieces is not None:
                 _fill_by_rows(mapping, param, pieces, read_rows, hf_shapes, chunk_bytes)

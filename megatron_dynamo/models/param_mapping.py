@@ -39,6 +39,9 @@ class ParamMapping:
     megatron_name: str
     hf_names: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...] = ()
+    # An expert's weight (MoE layers): split over the expert-tensor-parallel ranks (Megatron's ETP group), not the
+    # tensor-parallel ones; ``tp_rank`` / ``tp_size`` below are then that group's.
+    expert: bool = False
 
     def resolve(self, layer: int | None) -> "ParamMapping":
         if layer is None:

@@ -1,12 +1,16 @@
-"""Qwen2 / Qwen2.5 / Qwen3 in Megatron-Core: HF ``config.json`` -> ``TransformerConfig`` + layer spec -> ``GPTModel``.
+"""Qwen2 / Qwen2.5 / Qwen3 and their mixture-of-experts variants in Megatron-Core: HF ``config.json`` ->
+``TransformerConfig`` + layer spec -> ``GPTModel``.
 
 Qwen2/2.5: RMSNorm, SwiGLU MLP, GQA, rotary embeddings with ``rope_theta``, q/k/v biases, no other biases,
 tied or untied embeddings. Qwen3: the same without q/k/v biases, plus per-head RMSNorm on queries and keys
 (``qk_layernorm``) and an explicit ``head_dim`` that need not equal hidden_size / num_heads.
+Qwen2-MoE / Qwen3-MoE (``qwen2_moe``, ``qwen3_moe``): the same attention, and in the layers that
+``decoder_sparse_step`` / ``mlp_only_layers`` select, a softmax top-k router over SwiGLU experts
+(:class:`MoEArchitecture`); Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate.
 
 On GPU with Transformer Engine importable, the TE layer spec (fused bf16 kernels); otherwise Megatron's
-pure-PyTorch local spec. Anything this provider cannot reproduce exactly (MoE, sliding-window attention,
-rope scaling, other activations) is rejected with an error that names the config field.
+pure-PyTorch local spec. Anything this provider cannot reproduce exactly (sliding-window attention, rope scaling,
+other activations or routers) is rejected with an error that names the config field.
 """
 
 from __future__ import annotations
@@ -21,11 +25,31 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+from megatron_dynamo.parallel.topology import check_experts
+
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 
 class UnsupportedModelConfig(ValueError):
     """The HF config asks for something the Megatron model cannot reproduce exactly."""
+
+
+@dataclass(frozen=True)
+class MoEArchitecture:
+    """The mixture-of-experts fields of a Qwen2-MoE / Qwen3-MoE config.
+
+    Routing (HF's ``Qwen*MoeTopKRouter``): softmax over all ``num_experts`` router logits, the ``top_k`` largest
+    probabilities, divided by their sum when ``norm_topk_prob``. ``layer_pattern[i]`` is 1 where layer i is a MoE
+    layer, 0 where it is a dense MLP of ``intermediate_size`` (Megatron's ``moe_layer_freq`` list)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    layer_pattern: tuple[int, ...]
+    # Qwen2-MoE: an expert every token goes through, scaled by sigmoid(shared_expert_gate(x)); 0: none (Qwen3-MoE).
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +71,11 @@ class QwenArchitecture:
     qkv_bias: bool
     qk_norm: bool
     initializer_range: float = 0.02
+    moe: MoEArchitecture | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based, global) is a mixture-of-experts layer."""
+        return self.moe is not None and bool(self.moe.layer_pattern[layer])
 
     @property
     def num_query_groups(self) -> int:
@@ -101,11 +130,12 @@ def parse_qwen_config(cfg: dict[str, Any]) -> QwenArchitecture:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelConfig(
-            f"config.json: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            "MoE variants such as qwen2_moe/qwen3_moe are not)")
-    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if cfg.get(field):
-            raise UnsupportedModelConfig(f"config.json: {field}={cfg[field]} (mixture of experts) is not supported")
+            f"config.json: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if model_type not in MOE_MODEL_TYPES:
+        for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+            if cfg.get(field):
+                raise UnsupportedModelConfig(f"config.json: {field}={cfg[field]} (mixture of experts) with model_type="
+                                             f"{model_type!r}; experts are read for {' and '.join(MOE_MODEL_TYPES)}")
     if cfg.get("use_sliding_window"):
         raise UnsupportedModelConfig(
             "config.json: use_sliding_window=true is not supported (set it to false; full attention only)")
@@ -132,14 +162,16 @@ def parse_qwen_config(cfg: dict[str, Any]) -> QwenArchitecture:
             raise UnsupportedModelConfig(
                 f"config.json: hidden_size={hidden} is not divisible by num_attention_heads={heads} and no head_dim is given")
         head_dim = hidden // heads
-    is_qwen3 = model_type == "qwen3"
-    qkv_bias = bool(cfg.get("attention_bias", False)) if is_qwen3 else True
+    is_qwen3 = model_type in ("qwen3", "qwen3_moe")
+    # Qwen3 reads attention_bias; Qwen2-MoE's transformers config has qkv_bias (default true); Qwen2 always has them.
+    qkv_bias = bool(cfg.get("attention_bias", False)) if is_qwen3 else bool(cfg.get("qkv_bias", True))
+    num_layers = int(_require(cfg, "num_hidden_layers"))
     return QwenArchitecture(
         model_type=model_type,
         vocab_size=int(_require(cfg, "vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(_require(cfg, "intermediate_size")),
-        num_layers=int(_require(cfg, "num_hidden_layers")),
+        num_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=int(head_dim),
@@ -150,7 +182,59 @@ def parse_qwen_config(cfg: dict[str, Any]) -> QwenArchitecture:
         qkv_bias=qkv_bias,
         qk_norm=is_qwen3,
         initializer_range=float(cfg.get("initializer_range", 0.02)),
+        moe=parse_moe_config(cfg, num_layers) if model_type in MOE_MODEL_TYPES else None,
     )
+
+
+# Router options of other MoE families (DeepSeek's): Qwen's HF models ignore them, so a config that sets them was
+# written for a router this provider does not build.
+# Absent, or a value that means Qwen's own routing, is accepted.
+_OTHER_ROUTER_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",), "n_group": (1,), "topk_group": (1,),
+                        "routed_scaling_factor": (1.0,)}
+
+
+def parse_moe_config(cfg: dict[str, Any], num_layers: int) -> MoEArchitecture:
+    """The mixture-of-experts fields of a (normalised) ``qwen2_moe`` / ``qwen3_moe`` config dict, as HF's decoder
+    layers read them. Errors name the field."""
+    for field, same_as_qwen in _OTHER_ROUTER_FIELDS.items():
+        if cfg.get(field) not in (None, *same_as_qwen):
+            raise UnsupportedModelConfig(f"config.json: {field}={cfg[field]!r} is not supported (Qwen's router: "
+                                         "softmax over all experts, then the top num_experts_per_tok)")
+    # transformers >= 5 writes qwen3_moe's expert count as num_local_experts (its attribute map); older ones and
+    # Hub checkpoints num_experts.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise UnsupportedModelConfig(f"config.json: num_experts must be an integer >= 1 for model_type "
+                                     f"{cfg['model_type']}, got {experts!r}")
+    top_k = _require(cfg, "num_experts_per_tok")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise UnsupportedModelConfig(f"config.json: num_experts_per_tok must be an integer in [1, num_experts="
+                                     f"{experts}], got {top_k!r}")
+    step = cfg.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise UnsupportedModelConfig(f"config.json: decoder_sparse_step must be an integer >= 1, got {step!r}")
+    mlp_only = cfg.get("mlp_only_layers") or []
+    outside = [i for i in mlp_only if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    if outside:
+        raise UnsupportedModelConfig(f"config.json: mlp_only_layers names layer {outside[0]!r}, not one of the "
+                                     f"{num_layers} layers 0..{num_layers - 1}")
+    pattern = tuple(0 if i in mlp_only or (i + 1) % step else 1 for i in range(num_layers))
+    if not any(pattern):
+        raise UnsupportedModelConfig("config.json: decoder_sparse_step and mlp_only_layers leave no mixture-of-experts "
+                                     "layer (use the dense model_type)")
+    norm_topk_prob = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm_topk_prob, bool):
+        raise UnsupportedModelConfig(f"config.json: norm_topk_prob must be true or false, got {norm_topk_prob!r}")
+    shared = 0
+    if cfg["model_type"] == "qwen2_moe":
+        shared = _require(cfg, "shared_expert_intermediate_size")
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
+            raise UnsupportedModelConfig(f"config.json: shared_expert_intermediate_size must be an integer >= 1, "
+                                         f"got {shared!r}")
+    return MoEArchitecture(num_experts=experts, top_k=top_k,
+                           expert_intermediate_size=int(_require(cfg, "moe_intermediate_size")),
+                           norm_topk_prob=norm_topk_prob, layer_pattern=pattern,
+                           shared_expert_intermediate_size=shared)
 
 
 def te_importable() -> bool:
@@ -207,10 +291,63 @@ def _architecture_kwargs(arch: QwenArchitecture) -> dict:
     )
 
 
-def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32", **overrides):
+@dataclass(frozen=True)
+class MoEConfig:
+    """How a mixture-of-experts model trains (the run's ``moe`` section; a dense model ignores it).
+
+    Keys:
+        aux_loss_coef {>= 0}: the weight of the load-balancing loss (Switch Transformer's, per micro-batch:
+            Megatron's ``moe_aux_loss_coeff``) added to the policy loss's gradient; 0: none.
+        z_loss_coef {>= 0}: the weight of the router z-loss (ST-MoE: the squared log-sum-exp of the router logits),
+            which keeps router logits small; 0: none.
+    """
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def validate(self) -> None:
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def transformer_config_kwargs(self) -> dict:
+        return dict(moe_router_load_balancing_type="aux_loss" if self.aux_loss_coef else "none",
+                    moe_aux_loss_coeff=self.aux_loss_coef, moe_z_loss_coeff=self.z_loss_coef or None)
+
+
+def moe_architecture_kwargs(moe: MoEArchitecture) -> dict:
+    """The ``TransformerConfig`` keys of a Qwen MoE architecture: HF's router and experts, exactly."""
+    shared = moe.shared_expert_intermediate_size
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.expert_intermediate_size,
+        moe_layer_freq=list(moe.layer_pattern),
+        # HF: top-k of softmax(all logits), divided by their sum when norm_topk_prob. Megatron's pre-softmax routing
+        # is the former as it is; without pre-softmax it takes the top-k logits and softmaxes over those k, which is
+        # the renormalised top-k (the same top k, since softmax is monotone; equal up to rounding: tested).
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_topk_scaling_factor=None,
+        # The router's logits and softmax in fp32 whatever the model dtype, as HF's (softmax in float) and vLLM's.
+        moe_router_dtype="fp32",
+        # Dropless, as inference is: every token reaches its k experts (no capacity factor, no padding).
+        moe_expert_capacity_factor=None,
+        # SequentialMLP: one plain MLP per expert (the grouped GEMM needs Transformer Engine or the grouped_gemm
+        # package); the alltoall dispatcher works for any expert-parallel size, on gloo too.
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall",
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+    )
+
+
+def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32", moe: MoEConfig | None = None,
+                       **overrides):
     """The Megatron ``TransformerConfig`` of a Qwen architecture under the current parallel state.
 
-    ``overrides`` are passed to TransformerConfig (e.g. ``recompute_granularity``).
+    ``moe``: the training settings of a mixture-of-experts model (default :class:`MoEConfig`). ``overrides`` are
+    passed to TransformerConfig (e.g. ``recompute_granularity``).
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -228,6 +365,14 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
     if arch.num_layers % pp:
         raise UnsupportedModelConfig(
             f"config.json: num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel={pp}")
+    check_experts(arch.moe.num_experts if arch.moe else 0, parallel_state.get_expert_model_parallel_world_size())
+    if arch.moe:
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        for name, value, ranks, key in (
+                ("moe_intermediate_size", arch.moe.expert_intermediate_size, etp, "expert_tensor_parallel"),
+                ("shared_expert_intermediate_size", arch.moe.shared_expert_intermediate_size, tp, "tensor_parallel")):
+            if value % ranks:
+                raise UnsupportedModelConfig(f"config.json: {name}={value} is not divisible by {key}={ranks}")
     kwargs = dict(
         **_architecture_kwargs(arch),
         tensor_model_parallel_size=tp,
@@ -254,6 +399,10 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
         # Kept in fp32 so that the vocab-parallel log-prob routine sees full-precision logits.
         cross_entropy_loss_fusion=False,
     )
+    if arch.moe:
+        kwargs.update(moe_architecture_kwargs(arch.moe), **(moe or MoEConfig()).transformer_config_kwargs(),
+                      expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                      expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size())
     if "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)}:
         # The whole layer, as megatron-core's default "full", which it deprecates with a warning on every build.
         kwargs["cuda_graph_scope"] = []
@@ -274,23 +423,33 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 
 def layer_spec(arch: QwenArchitecture, use_te: bool | None = None, config=None, vp_stage: int | None = None):
-    """The TE layer spec when TE is usable (or ``use_te=True``), else Megatron's pure-PyTorch local spec. With a
-    ``config`` asking for sequence parallelism, the local spec becomes a block spec whose norms (each layer's and
-    the final one) are :class:`SequenceParallelRMSNorm`."""
+    """The TE layer spec when TE is usable (or ``use_te=True``), else Megatron's pure-PyTorch local spec. A
+    mixture-of-experts model (which needs its ``config``) gets a block spec of this stage's layers, dense or MoE as
+    ``config.moe_layer_freq`` says. With a ``config`` asking for sequence parallelism, the local spec becomes a block
+    spec whose norms (each layer's and the final one) are :class:`SequenceParallelRMSNorm`."""
     from megatron.core.models.gpt import gpt_layer_specs
-
-    use_te = te_available() if use_te is None else use_te
-    if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    if config is None or not config.sequence_parallel:
-        return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    layer = dataclasses.replace(spec, submodules=dataclasses.replace(
-        spec.submodules, input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm))
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
-                                      layer_norm=SequenceParallelRMSNorm)
+    use_te = te_available() if use_te is None else use_te
+    if arch.moe is not None:
+        if config is None:
+            raise ValueError("layer_spec: a mixture-of-experts model needs its TransformerConfig (the layer pattern)")
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                           normalization="RMSNorm", vp_stage=vp_stage)
+        layers = block.layer_specs
+    elif use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        if config is None or not config.sequence_parallel:
+            return spec
+        block, layers = None, [spec] * get_num_layers_to_build(config, vp_stage)
+    if use_te or config is None or not config.sequence_parallel:
+        return block
+    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm))
+        for layer in layers]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(arch: QwenArchitecture | dict[str, Any] | str, dtype: str | torch.dtype = "fp32",

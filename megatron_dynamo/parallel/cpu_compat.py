@@ -15,6 +15,8 @@ What it does:
   megatron compares against. Torch function modes are thread-local: call :func:`install` in every thread that
   runs megatron code (it is idempotent per thread).
 - The tensor-parallel RNG tracker keeps CPU generator states, so ``get_cuda_rng_tracker().fork()`` works.
+- Mixture-of-experts layers (:func:`_patch_moe`): the router's linear without Transformer Engine, the alltoall token
+  dispatcher's device-to-host event, and its split sizes handed to gloo's all-to-all.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class _NoOpStream:
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def record_event(self, event=None):
+        # An event to wait on later (the MoE alltoall dispatcher calls .synchronize() on it), not None.
+        return _NoOpStream()
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
@@ -126,6 +132,27 @@ def _install_cpu_rng_tracker() -> None:
     mpu_random.initialize_rng_tracker(force_reset=True)
 
 
+def _patch_moe() -> None:
+    """What megatron-core's MoE layers (0.16) need on the CPU."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # moe_utils imports te_general_gemm inside its Transformer Engine try-block and never defines it otherwise; the
+    # router's linear (RouterGatingLinearFunction) tests `te_general_gemm is not None` and so raises NameError.
+    # None selects its torch.mm path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    move_to_cpu = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        # On CUDA the alltoall dispatcher's split sizes come back as host arrays (as_numpy); CPU tensors are returned
+        # as they are, and gloo's all_to_all_single takes split sizes as a list of ints only.
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.tolist()
+        return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def install() -> bool:
     """Install the CPU redirect in this process and thread when CUDA is absent. Returns whether it is active."""
     global _installed_process
@@ -134,6 +161,7 @@ def install() -> bool:
     if not _installed_process:
         _patch_torch_cuda()
         _install_cpu_rng_tracker()
+        _patch_moe()
         _installed_process = True
     if not getattr(_thread_state, "mode", None):
         _thread_state.mode = _CudaToCpuMode()

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynamo.parallel import cpu_compat, device_check
-from megatron_dynamo.parallel.topology import check_at_least_one, check_model_parallel
+from megatron_dynamo.parallel.topology import (check_at_least_one, check_expert_layout,
+                                               check_expert_tensor_parallel_on_cpu, check_model_parallel)
 
 
 # megatron-core announces each missing optional accelerator package (apex, TE) at import; say it once in
@@ -46,6 +47,10 @@ class ParallelConfig:
         virtual_pipeline_parallel {>= 1}: model chunks per pipeline stage (interleaved schedule); null: one.
         context_parallel {1}: must stay 1: sequences are not split over context-parallel ranks yet.
         sequence_parallel: split the activations outside the tensor-parallel regions over the TP ranks (needs TP > 1).
+        expert_parallel {>= 1}: mixture-of-experts models: ranks the experts of each MoE layer are divided over (EP);
+            must divide the model's experts, and 1 for a dense model.
+        expert_tensor_parallel {>= 1}: ranks that split each expert (Megatron's ETP; 1 without CUDA). The expert
+            groups (expert_parallel x expert_tensor_parallel) must divide the training ranks of a pipeline stage.
     """
 
     tensor_parallel: int = 1
@@ -53,9 +58,12 @@ class ParallelConfig:
     virtual_pipeline_parallel: int | None = None
     context_parallel: int = 1
     sequence_parallel: bool = False
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
 
     def validate(self, world_size: int | None = None) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
+                     "expert_tensor_parallel"):
             check_at_least_one(f"parallel.{name}", getattr(self, name))
         if self.virtual_pipeline_parallel is not None:  # null: one model chunk per stage
             check_at_least_one("parallel.virtual_pipeline_parallel", self.virtual_pipeline_parallel)
@@ -67,6 +75,7 @@ class ParallelConfig:
                              "context-parallel ranks); use tensor/pipeline parallelism with sequence_parallel")
         if world_size is not None:
             check_model_parallel(world_size, self.tensor_parallel, self.pipeline_parallel, self.context_parallel)
+            check_expert_layout(world_size, self.pipeline_parallel, self.expert_parallel, self.expert_tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -192,6 +201,7 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
     CUDA, and seed every RNG. Safe to call again with another layout (the parallel state is rebuilt)."""
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
+        check_expert_tensor_parallel_on_cpu(parallel.expert_tensor_parallel)
         cpu_compat.install()
     if not dist.is_initialized():
         launch = detect_launch()
@@ -218,6 +228,9 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
         context_parallel_size=parallel.context_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        # Explicit: Megatron's default (None) is the tensor-parallel size, which would split every expert over TP.
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
     )
     seed_everything(seed)
     device = current_device()

@@ -7,10 +7,14 @@ A job of W ranks:
 - ``separate`` with ``rollout.engine_ranks: N``: the first W - N ranks train, the last N only generate and score.
 
 The training ranks form Megatron's groups of ``parallel.tensor_parallel x pipeline_parallel x context_parallel``
-ranks (the rest is data parallel). The engine ranks form engines of ``rollout.tensor_parallel`` consecutive ranks
-(vLLM's ``external_launcher`` groups them so); the first rank of an engine (its *leader*) scores the engine's
-responses. Rank 0 is the job's leader (it prints and writes); in a separate job the first engine rank sends every
-scored batch to the trainer ranks and rank 0 sends the weights to the engine ranks.
+ranks (the rest is data parallel). A mixture-of-experts model's expert layers split the same ranks their own way:
+each pipeline stage's ranks in groups of ``parallel.expert_parallel x expert_tensor_parallel`` (the experts divided
+over the first, each expert split over the second; the rest is the experts' data parallel).
+
+The engine ranks form engines of ``rollout.tensor_parallel`` consecutive ranks (vLLM's ``external_launcher`` groups
+them so); the first rank of an engine (its *leader*) scores the engine's responses. Rank 0 is the job's leader (it
+prints and writes); in a separate job the first engine rank sends every scored batch to the trainer ranks and rank 0
+sends the weights to the engine ranks.
 
 :meth:`JobTopology.resolve` builds the topology from the ``parallel`` and ``rollout`` sections and the world size
 (``launch/``: the launcher's, or ``--nproc``), raising :class:`~megatron_dynamo.config.ConfigError` (one line,
@@ -64,6 +68,40 @@ def check_model_parallel(ranks: int, tensor_parallel: int, pipeline_parallel: in
                   "the training ranks form whole model-parallel groups; the rest is data parallel")
 
 
+def check_expert_layout(ranks: int, pipeline_parallel: int, expert_parallel: int, expert_tensor_parallel: int) -> None:
+    """The expert layers' split of ``ranks`` training ranks: Megatron (``initialize_model_parallel``) needs
+    expert_parallel x expert_tensor_parallel x pipeline_parallel to divide them, i.e. the expert groups to tile the
+    ranks of each pipeline stage (the data x tensor x context parallel ranks)."""
+    for key, value in (("parallel.expert_parallel", expert_parallel),
+                       ("parallel.expert_tensor_parallel", expert_tensor_parallel)):
+        check_at_least_one(key, value)
+    experts_groups = expert_parallel * expert_tensor_parallel
+    stage_ranks = ranks // pipeline_parallel
+    check_divides(f"parallel.expert_parallel x expert_tensor_parallel = {experts_groups}", experts_groups,
+                  f"the {stage_ranks} training ranks of each pipeline stage", stage_ranks,
+                  "the expert layers split each stage's data x tensor x context parallel ranks into whole expert "
+                  "groups")
+
+
+def check_experts(num_experts: int, expert_parallel: int) -> None:
+    """A model's experts over ``expert_parallel`` ranks (``num_experts`` 0: a dense model): each rank holds the same
+    number of whole experts, and a dense model has none to split."""
+    if expert_parallel > 1 and not num_experts:
+        raise ConfigError(f"parallel.expert_parallel: must be 1 for a dense model (no experts to split), "
+                          f"got {expert_parallel}")
+    if num_experts:
+        check_divides(f"parallel.expert_parallel={expert_parallel}", expert_parallel,
+                      f"the model's {num_experts} experts", num_experts, "every expert rank holds as many experts")
+
+
+def check_expert_tensor_parallel_on_cpu(expert_tensor_parallel: int) -> None:
+    """Without CUDA (gloo) each expert stays whole: splitting it over ranks gathers uneven token counts, and gloo's
+    all_gather takes equal-sized tensors only."""
+    if expert_tensor_parallel != 1:
+        raise ConfigError(f"parallel.expert_tensor_parallel: must be 1 without CUDA (gloo cannot gather the uneven "
+                          f"token counts of split experts), got {expert_tensor_parallel}")
+
+
 def check_placement(placement: str, engine_ranks: int, max_staleness: int, tensor_parallel: int) -> None:
     """The ``rollout`` section's placement keys on their own (the job's size is checked by :meth:`JobTopology.resolve`
     when it is known)."""
@@ -95,9 +133,12 @@ class TrainingLayout:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         check_model_parallel(self.ranks, self.tensor_parallel, self.pipeline_parallel, self.context_parallel)
+        check_expert_layout(self.ranks, self.pipeline_parallel, self.expert_parallel, self.expert_tensor_parallel)
 
     @property
     def model_parallel(self) -> int:
@@ -150,6 +191,8 @@ class ParallelSection(Protocol):
     tensor_parallel: int
     pipeline_parallel: int
     context_parallel: int
+    expert_parallel: int
+    expert_tensor_parallel: int
 
 
 class RolloutSection(Protocol):
@@ -190,7 +233,8 @@ class JobTopology:
         check_model_parallel(trainer_ranks, parallel.tensor_parallel, parallel.pipeline_parallel,
                              parallel.context_parallel, trainers_named)
         return cls(world_size, TrainingLayout(trainer_ranks, parallel.tensor_parallel, parallel.pipeline_parallel,
-                                              parallel.context_parallel),
+                                              parallel.context_parallel, parallel.expert_parallel,
+                                              parallel.expert_tensor_parallel),
                    EngineLayout(0, engine_ranks or world_size, rollout.tensor_parallel))
 
     @classmethod

@@ -22,6 +22,7 @@ from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
 from megatron_dynamo.data.templates import list_templates
 from megatron_dynamo.eval.runner import EvalConfig
 from megatron_dynamo.models.checkpoint_io import CHECKPOINT_HF_DIR, is_model_checkpoint
+from megatron_dynamo.models.qwen import MoEConfig
 from megatron_dynamo.parallel.runtime import ParallelConfig
 from megatron_dynamo.parallel.topology import check_at_least_one, check_placement
 from megatron_dynamo.rollout.interface import registered_engines
@@ -331,6 +332,7 @@ class RewardConfig:
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

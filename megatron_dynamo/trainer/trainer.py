@@ -111,7 +111,7 @@ class Trainer:
         self.sampler = PromptSampler(self.examples, seed=run.data.seed)
         hf_weights = hf_weight_source(run.model.checkpoint)
         self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
-                                   sequence_parallel=run.parallel.sequence_parallel)
+                                   sequence_parallel=run.parallel.sequence_parallel, moe=run.moe)
         if run.model.checkpoint and hf_weights is None:  # a Megatron checkpoint: verified, then loaded
             try:
                 load_start_checkpoint(run.model.checkpoint, self.actor.chunks)
