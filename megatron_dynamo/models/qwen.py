@@ -25,31 +25,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_dynamo.parallel.topology import check_experts
+from megatron_dynamo.models.config_errors import UnsupportedModelConfig, require_field
+from megatron_dynamo.models.qwen_moe import (MoEArchitecture, MoEConfig, check_moe_layout, moe_architecture_kwargs,
+                                             parse_moe_config)
 
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", *MOE_MODEL_TYPES)
-
-
-class UnsupportedModelConfig(ValueError):
-    """The HF config asks for something the Megatron model cannot reproduce exactly."""
-
-
-@dataclass(frozen=True)
-class MoEArchitecture:
-    """The mixture-of-experts fields of a Qwen2-MoE / Qwen3-MoE config.
-
-    Routing (HF's ``Qwen*MoeTopKRouter``): softmax over all ``num_experts`` router logits, the ``top_k`` largest
-    probabilities, divided by their sum when ``norm_topk_prob``. ``layer_pattern[i]`` is 1 where layer i is a MoE
-    layer, 0 where it is a dense MLP of ``intermediate_size`` (Megatron's ``moe_layer_freq`` list)."""
-
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-    norm_topk_prob: bool
-    layer_pattern: tuple[int, ...]
-    # Qwen2-MoE: an expert every token goes through, scaled by sigmoid(shared_expert_gate(x)); 0: none (Qwen3-MoE).
-    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,12 +76,6 @@ def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
-def _require(cfg: dict[str, Any], field: str) -> Any:
-    if field not in cfg or cfg[field] is None:
-        raise UnsupportedModelConfig(f"config.json: missing required field '{field}'")
-    return cfg[field]
-
-
 def normalize_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A copy of an HF config dict with the fields :func:`parse_qwen_config` reads in their classic places.
 
@@ -131,11 +106,10 @@ def parse_qwen_config(cfg: dict[str, Any]) -> QwenArchitecture:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelConfig(
             f"config.json: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if model_type not in MOE_MODEL_TYPES:
-        for field in ("num_experts", "num_local_experts", "n_routed_experts"):
-            if cfg.get(field):
-                raise UnsupportedModelConfig(f"config.json: {field}={cfg[field]} (mixture of experts) with model_type="
-                                             f"{model_type!r}; experts are read for {' and '.join(MOE_MODEL_TYPES)}")
+    experts = [f for f in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(f)]
+    if model_type not in MOE_MODEL_TYPES and experts:
+        raise UnsupportedModelConfig(f"config.json: {experts[0]}={cfg[experts[0]]} (mixture of experts) with model_type="
+                                     f"{model_type!r}; experts are read for {' and '.join(MOE_MODEL_TYPES)}")
     if cfg.get("use_sliding_window"):
         raise UnsupportedModelConfig(
             "config.json: use_sliding_window=true is not supported (set it to false; full attention only)")
@@ -150,8 +124,8 @@ def parse_qwen_config(cfg: dict[str, Any]) -> QwenArchitecture:
     if cfg.get("mlp_bias"):
         raise UnsupportedModelConfig("config.json: mlp_bias=true is not supported")
 
-    hidden = int(_require(cfg, "hidden_size"))
-    heads = int(_require(cfg, "num_attention_heads"))
+    hidden = int(require_field(cfg, "hidden_size"))
+    heads = int(require_field(cfg, "num_attention_heads"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise UnsupportedModelConfig(
@@ -165,12 +139,12 @@ def parse_qwen_config(cfg: dict[str, Any]) -> QwenArchitecture:
     is_qwen3 = model_type in ("qwen3", "qwen3_moe")
     # Qwen3 reads attention_bias; Qwen2-MoE's transformers config has qkv_bias (default true); Qwen2 always has them.
     qkv_bias = bool(cfg.get("attention_bias", False)) if is_qwen3 else bool(cfg.get("qkv_bias", True))
-    num_layers = int(_require(cfg, "num_hidden_layers"))
+    num_layers = int(require_field(cfg, "num_hidden_layers"))
     return QwenArchitecture(
         model_type=model_type,
-        vocab_size=int(_require(cfg, "vocab_size")),
+        vocab_size=int(require_field(cfg, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size")),
+        intermediate_size=int(require_field(cfg, "intermediate_size")),
         num_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -184,57 +158,6 @@ def parse_qwen_config(cfg: dict[str, Any]) -> QwenArchitecture:
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         moe=parse_moe_config(cfg, num_layers) if model_type in MOE_MODEL_TYPES else None,
     )
-
-
-# Router options of other MoE families (DeepSeek's): Qwen's HF models ignore them, so a config that sets them was
-# written for a router this provider does not build.
-# Absent, or a value that means Qwen's own routing, is accepted.
-_OTHER_ROUTER_FIELDS = {"scoring_func": ("softmax",), "topk_method": ("greedy",), "n_group": (1,), "topk_group": (1,),
-                        "routed_scaling_factor": (1.0,)}
-
-
-def parse_moe_config(cfg: dict[str, Any], num_layers: int) -> MoEArchitecture:
-    """The mixture-of-experts fields of a (normalised) ``qwen2_moe`` / ``qwen3_moe`` config dict, as HF's decoder
-    layers read them. Errors name the field."""
-    for field, same_as_qwen in _OTHER_ROUTER_FIELDS.items():
-        if cfg.get(field) not in (None, *same_as_qwen):
-            raise UnsupportedModelConfig(f"config.json: {field}={cfg[field]!r} is not supported (Qwen's router: "
-                                         "softmax over all experts, then the top num_experts_per_tok)")
-    # transformers >= 5 writes qwen3_moe's expert count as num_local_experts (its attribute map); older ones and
-    # Hub checkpoints num_experts.
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise UnsupportedModelConfig(f"config.json: num_experts must be an integer >= 1 for model_type "
-                                     f"{cfg['model_type']}, got {experts!r}")
-    top_k = _require(cfg, "num_experts_per_tok")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        raise UnsupportedModelConfig(f"config.json: num_experts_per_tok must be an integer in [1, num_experts="
-                                     f"{experts}], got {top_k!r}")
-    step = cfg.get("decoder_sparse_step", 1)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise UnsupportedModelConfig(f"config.json: decoder_sparse_step must be an integer >= 1, got {step!r}")
-    mlp_only = cfg.get("mlp_only_layers") or []
-    outside = [i for i in mlp_only if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
-    if outside:
-        raise UnsupportedModelConfig(f"config.json: mlp_only_layers names layer {outside[0]!r}, not one of the "
-                                     f"{num_layers} layers 0..{num_layers - 1}")
-    pattern = tuple(0 if i in mlp_only or (i + 1) % step else 1 for i in range(num_layers))
-    if not any(pattern):
-        raise UnsupportedModelConfig("config.json: decoder_sparse_step and mlp_only_layers leave no mixture-of-experts "
-                                     "layer (use the dense model_type)")
-    norm_topk_prob = cfg.get("norm_topk_prob", False)
-    if not isinstance(norm_topk_prob, bool):
-        raise UnsupportedModelConfig(f"config.json: norm_topk_prob must be true or false, got {norm_topk_prob!r}")
-    shared = 0
-    if cfg["model_type"] == "qwen2_moe":
-        shared = _require(cfg, "shared_expert_intermediate_size")
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
-            raise UnsupportedModelConfig(f"config.json: shared_expert_intermediate_size must be an integer >= 1, "
-                                         f"got {shared!r}")
-    return MoEArchitecture(num_experts=experts, top_k=top_k,
-                           expert_intermediate_size=int(_require(cfg, "moe_intermediate_size")),
-                           norm_topk_prob=norm_topk_prob, layer_pattern=pattern,
-                           shared_expert_intermediate_size=shared)
 
 
 def te_importable() -> bool:
@@ -291,57 +214,6 @@ def _architecture_kwargs(arch: QwenArchitecture) -> dict:
     )
 
 
-@dataclass(frozen=True)
-class MoEConfig:
-    """How a mixture-of-experts model trains (the run's ``moe`` section; a dense model ignores it).
-
-    Keys:
-        aux_loss_coef {>= 0}: the weight of the load-balancing loss (Switch Transformer's, per micro-batch:
-            Megatron's ``moe_aux_loss_coeff``) added to the policy loss's gradient; 0: none.
-        z_loss_coef {>= 0}: the weight of the router z-loss (ST-MoE: the squared log-sum-exp of the router logits),
-            which keeps router logits small; 0: none.
-    """
-
-    aux_loss_coef: float = 0.0
-    z_loss_coef: float = 0.0
-
-    def validate(self) -> None:
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    def transformer_config_kwargs(self) -> dict:
-        return dict(moe_router_load_balancing_type="aux_loss" if self.aux_loss_coef else "none",
-                    moe_aux_loss_coeff=self.aux_loss_coef, moe_z_loss_coeff=self.z_loss_coef or None)
-
-
-def moe_architecture_kwargs(moe: MoEArchitecture) -> dict:
-    """The ``TransformerConfig`` keys of a Qwen MoE architecture: HF's router and experts, exactly."""
-    shared = moe.shared_expert_intermediate_size
-    return dict(
-        num_moe_experts=moe.num_experts,
-        moe_router_topk=moe.top_k,
-        moe_ffn_hidden_size=moe.expert_intermediate_size,
-        moe_layer_freq=list(moe.layer_pattern),
-        # HF: top-k of softmax(all logits), divided by their sum when norm_topk_prob. Megatron's pre-softmax routing
-        # is the former as it is; without pre-softmax it takes the top-k logits and softmaxes over those k, which is
-        # the renormalised top-k (the same top k, since softmax is monotone; equal up to rounding: tested).
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_topk_scaling_factor=None,
-        # The router's logits and softmax in fp32 whatever the model dtype, as HF's (softmax in float) and vLLM's.
-        moe_router_dtype="fp32",
-        # Dropless, as inference is: every token reaches its k experts (no capacity factor, no padding).
-        moe_expert_capacity_factor=None,
-        # SequentialMLP: one plain MLP per expert (the grouped GEMM needs Transformer Engine or the grouped_gemm
-        # package); the alltoall dispatcher works for any expert-parallel size, on gloo too.
-        moe_grouped_gemm=False,
-        moe_token_dispatcher_type="alltoall",
-        moe_shared_expert_intermediate_size=shared or None,
-        moe_shared_expert_gate=bool(shared),
-    )
-
-
 def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32", moe: MoEConfig | None = None,
                        **overrides):
     """The Megatron ``TransformerConfig`` of a Qwen architecture under the current parallel state.
@@ -365,14 +237,8 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
     if arch.num_layers % pp:
         raise UnsupportedModelConfig(
             f"config.json: num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel={pp}")
-    check_experts(arch.moe.num_experts if arch.moe else 0, parallel_state.get_expert_model_parallel_world_size())
-    if arch.moe:
-        etp = parallel_state.get_expert_tensor_parallel_world_size()
-        for name, value, ranks, key in (
-                ("moe_intermediate_size", arch.moe.expert_intermediate_size, etp, "expert_tensor_parallel"),
-                ("shared_expert_intermediate_size", arch.moe.shared_expert_intermediate_size, tp, "tensor_parallel")):
-            if value % ranks:
-                raise UnsupportedModelConfig(f"config.json: {name}={value} is not divisible by {key}={ranks}")
+    check_moe_layout(arch.moe, tp, parallel_state.get_expert_model_parallel_world_size(),
+                     parallel_state.get_expert_tensor_parallel_world_size())
     kwargs = dict(
         **_architecture_kwargs(arch),
         tensor_model_parallel_size=tp,

@@ -22,7 +22,7 @@ from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
 from megatron_dynamo.data.templates import list_templates
 from megatron_dynamo.eval.runner import EvalConfig
 from megatron_dynamo.models.checkpoint_io import CHECKPOINT_HF_DIR, is_model_checkpoint
-from megatron_dynamo.models.qwen import MoEConfig
+from megatron_dynamo.models.qwen_moe import MoEConfig
 from megatron_dynamo.parallel.runtime import ParallelConfig
 from megatron_dynamo.parallel.topology import check_at_least_one, check_placement
 from megatron_dynamo.rollout.interface import registered_engines
