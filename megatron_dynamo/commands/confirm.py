@@ -7,11 +7,11 @@ testbed's results page) from the committed raw data, and nothing else.
 
 DIR holds runs.csv (``dynamo ablate ... --raw-data DIR`` writes it). A seed whose runs span two machines or two
 warm-ups is refused (one line, exit 2): its runs are paired, and another CPU gives other numbers. Until every
-preregistered run is in, the block says how many are, per seed and machine, and holds no table. The analysis is fixed by the preregistration
-(docs/ablation.md, "Preregistration"; ``megatron_dynamo/experiments/confirmatory.py``): per hypothesis the per-seed
-contrast of held-out pass@1 over the preregistered seeds, its two-sided paired Student t interval and p-value, Holm's
-adjustment over all tests, the verdict by the preregistered rule, and the answers to the controls' questions. In
-the page the tables sit between ``<!-- confirm:DIR -->`` and ``<!-- /confirm -->``; the test suite fails when that
+preregistered run is in, the block says how many are, per seed and machine, and holds no table. The analysis is
+fixed by the preregistration (docs/ablation.md, "Preregistration"; ``megatron_dynamo/experiments/confirmatory.py``):
+per hypothesis the per-seed contrast of held-out pass@1 over the preregistered seeds, its two-sided paired Student t
+interval and p-value, Holm's adjustment over all tests, the verdict by the preregistered rule, and the answers to the
+controls' questions. In the page the tables sit between ``<!-- confirm:DIR -->`` and ``<!-- /confirm -->``; the test suite fails when that
 block differs from what this command prints.
 """
 

@@ -9,6 +9,7 @@ across machines), and ``dynamo confirm`` refuses a seed whose runs span two mach
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -50,12 +51,12 @@ def checkpoint_hash(path: str | os.PathLike) -> str:
     by relative path and content. The optimizer and the trainer's state are left out: two warm-ups with the same
     weights start every run identically."""
     model = os.path.join(path, "model")
+    metadata = os.path.join(model, ".metadata")
+    if os.path.isfile(metadata):
+        # torch rewrites .metadata with every save: its modification time names the save, so one load and hash
+        # serves every run of an ablation that starts from the same warm-up (it asks once per run)
+        return _weights_hash(os.path.realpath(model), os.stat(metadata).st_mtime_ns)
     digest = hashlib.sha256()
-    if os.path.isfile(os.path.join(model, ".metadata")):
-        for name, tensor in _model_tensors(model):
-            digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode("utf-8"))
-            digest.update(tensor.contiguous().view(-1).view(torch_uint8()).numpy().tobytes())
-        return digest.hexdigest()[:16]
     for directory, dirs, files in os.walk(path):
         dirs.sort()
         for name in sorted(files):
@@ -68,21 +69,28 @@ def checkpoint_hash(path: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
-def torch_uint8():
-    import torch  # here, not at the top: dynamo confirm reads this module and never needs torch (~1.5 s)
+@functools.lru_cache(maxsize=64)
+def _weights_hash(model_dir: str, metadata_mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    for header, data in _model_tensors(model_dir):
+        digest.update(header.encode("utf-8"))
+        digest.update(data)
+    return digest.hexdigest()[:16]
 
-    return torch.uint8
 
-
-def _model_tensors(model_dir: str) -> list[tuple[str, Any]]:
-    """(name, tensor) of every tensor of a torch_dist checkpoint directory, by name, loaded without a process group."""
-    from torch.distributed.checkpoint import FileSystemReader  # as torch_uint8: only where a checkpoint is hashed
+def _model_tensors(model_dir: str) -> list[tuple[str, bytes]]:
+    """("name, dtype, shape" header, raw bytes) of every tensor of a torch_dist checkpoint directory, by name, loaded
+    without a process group."""
+    # torch here, not at the top: dynamo confirm reads this module and never needs torch (~1.5 s)
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     with warnings.catch_warnings():  # "no process group: loading in a single process" is what we mean
         warnings.simplefilter("ignore", UserWarning)
         state = _load_state_dict_from_keys(storage_reader=FileSystemReader(model_dir))
-    return [(name, state[name]) for name in sorted(state) if hasattr(state[name], "dtype")]
+    return [(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0", t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            for name, t in sorted(state.items()) if isinstance(t, torch.Tensor)]
 
 
 def group_of(row: Mapping[str, Any]) -> Group:

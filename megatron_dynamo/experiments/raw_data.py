@@ -25,6 +25,7 @@ another group are left out (their seed is rerun where it resumes).
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import io
 import json
@@ -68,8 +69,16 @@ class RawData:
     plan: dict[str, Any] | None = None
 
     def problems_of(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
-        key = (row["variant"], int(row["seed"]), str(row.get("warmup") or ""))
-        return [p for p in self.problems if (p["variant"], p["seed"], p["warmup"]) == key]
+        """The problems.csv.gz rows of one runs.csv row, in their order."""
+        return self._problems_by_run.get((row["variant"], int(row["seed"]), str(row.get("warmup") or "")), [])
+
+    @functools.cached_property
+    def _problems_by_run(self) -> dict[tuple[str, int, str], list[dict[str, Any]]]:
+        # grouped once: a write keeps up to every recorded run, each with 1500 problems
+        grouped: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+        for p in self.problems:
+            grouped.setdefault((p["variant"], p["seed"], p["warmup"]), []).append(p)
+        return grouped
 
 
 @dataclass(frozen=True)
