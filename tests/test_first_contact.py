@@ -228,3 +228,21 @@ def test_a_baseline_that_equals_grpo_says_so_at_start_up():
     assert equals_grpo_note(load_run_config(CPU_DEFAULT, ["trainer.ppo_epochs=2"], algo="kl_cov"), "kl_cov") is None
     for algo in ("grpo", "dynamo", "entropy_loss", "clip_cov", "w_reinforce"):
         assert equals_grpo_note(load_run_config(CPU_DEFAULT, algo=algo), algo) is None
+
+
+# issue 41 ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,nproc,needles", [
+    (["parallel.expert_parallel=2"], 2, ["parallel.expert_parallel: must be 1 for a dense model"]),
+    (["model.config=configs/models/tiny-qwen3-moe.json", "parallel.expert_parallel=3", "rollout.tensor_parallel=1"],
+     3, ["parallel.expert_parallel=3", "the model's 8 experts"]),
+    (["model.config=configs/models/tiny-qwen3-moe.json", "parallel.tensor_parallel=3"], 3,
+     ["tiny-qwen3-moe.json: num_attention_heads=4 is not divisible by tensor_parallel=3"]),
+    (["model.config=configs/models/tiny-qwen3-moe.json", "parallel.expert_tensor_parallel=2",
+      "parallel.tensor_parallel=2"], 2, ["parallel.expert_tensor_parallel: must be 1 without CUDA"]),
+])
+def test_a_model_that_does_not_fit_the_layout_is_refused_before_any_rank(tmp_path, overrides, nproc, needles):
+    """The model over the layout (heads, layers, experts) is checked by the launching process: one line, exit 2,
+    no rank started (every rank would otherwise find it while building the model)."""
+    proc = _dynamo("train", CPU_DEFAULT, f"trainer.output_dir={tmp_path / 'run'}", *overrides, "--nproc", str(nproc))
+    _one_line_exit_2(proc, "dynamo train: ", *needles)
+    assert not (tmp_path / "run").exists()

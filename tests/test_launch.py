@@ -27,9 +27,10 @@ from megatron_dynamo.trainer.config import RunConfig, load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*ROOT.glob("scripts/**/*.sh"), *ROOT.glob("scripts/**/*.sbatch")])
-# name -> (nodes, TP, PP, DP, vLLM memory share)
-EXPECTED = {"qwen2.5-math-1.5b": (1, 1, 1, 8, 0.8), "qwen2.5-math-7b": (1, 4, 1, 2, 0.65),
-            "qwen2.5-math-7b-separate": (2, 4, 1, 2, 0.85), "qwen3-14b": (2, 4, 2, 2, 0.65)}
+# name -> (nodes, TP, PP, DP, vLLM memory share, vLLM TP)
+EXPECTED = {"qwen2.5-math-1.5b": (1, 1, 1, 8, 0.8, 2), "qwen2.5-math-7b": (1, 4, 1, 2, 0.65, 2),
+            "qwen2.5-math-7b-separate": (2, 4, 1, 2, 0.85, 2), "qwen3-14b": (2, 4, 2, 2, 0.65, 2),
+            "qwen3-30b-a3b": (2, 1, 2, 8, 0.5, 4)}
 ROOTS = SiteRoots(ckpt_root="/lustre/models", data_dir="/lustre/data", output_root="/lustre/runs")
 
 
@@ -43,7 +44,7 @@ def nemo():
 
 
 # ---------------------------------------------------------------------------------------------------- recipes
-def test_catalog_is_the_three_models_a_separate_engine_variant_and_two_conversions():
+def test_catalog_is_the_four_models_a_separate_engine_variant_and_two_conversions():
     assert set(RECIPES) == set(EXPECTED)
     assert set(CONVERSIONS.values()) == {"hf-to-megatron", "megatron-to-hf"}
 
@@ -52,7 +53,7 @@ def test_catalog_is_the_three_models_a_separate_engine_variant_and_two_conversio
 def test_recipe_yaml_has_table3_settings_and_a_layout_that_fits(name):
     recipe = get_recipe(name)
     run = load_run_config(str(ROOT / recipe.config), list(recipe.overrides))
-    nodes, tp, pp, dp, share = EXPECTED[name]
+    nodes, tp, pp, dp, share, engine_tp = EXPECTED[name]
     assert (run.data.prompts_per_step, run.trainer.mini_batch_prompts) == (512, 32)
     alloc = run.dynamo.allocation
     assert (alloc.enabled, alloc.n_avg, alloc.n_min, alloc.n_max, alloc.power) == (True, 16, 8, 24, 1.0)
@@ -60,7 +61,7 @@ def test_recipe_yaml_has_table3_settings_and_a_layout_that_fits(name):
     assert (run.dynamo.loss.clip_low, run.dynamo.loss.clip_high) == (0.2, 0.2)
     assert (run.optim.lr, run.optim.weight_decay, run.optim.clip_grad) == (1e-6, 0.01, 1.0)
     assert run.optim.use_distributed_optimizer and run.trainer.warmup_steps == 10
-    assert (run.rollout.temperature, run.rollout.top_p, run.rollout.tensor_parallel) == (1.0, 1.0, 2)
+    assert (run.rollout.temperature, run.rollout.top_p, run.rollout.tensor_parallel) == (1.0, 1.0, engine_tp)
     assert (run.data.max_prompt_tokens, run.rollout.max_response_tokens) == (2048, 8192)
     assert run.rollout.gpu_memory_utilization == share and run.model.dtype == "bf16"
     assert (run.data.train, run.data.template) == ("dapo_math_17k", "qwen_math_boxed")
@@ -84,6 +85,43 @@ def test_layout_errors_are_caught_before_submission():
         check_layout(run, 1, 4)
     with pytest.raises(ConfigError, match="rollout.tensor_parallel"):
         check_layout(load_run_config(str(ROOT / "configs/qwen2.5-math-1.5b.yaml")), 2, 1)
+    # The model over the layout (every rank would find these when it builds the model, after the queue wait).
+    with pytest.raises(ConfigError, match="expert_parallel: must be 1 for a dense model"):
+        check_layout(load_run_config(str(ROOT / "configs/qwen3-14b.yaml"), ["parallel.expert_parallel=2"]), 2, 8)
+    with pytest.raises(ConfigError, match="num_attention_heads=40 is not divisible by tensor_parallel=16"):
+        check_layout(load_run_config(str(ROOT / "configs/qwen3-14b.yaml"),
+                                     ["parallel.tensor_parallel=16", "parallel.pipeline_parallel=1"]), 2, 8)
+    moe = load_run_config(str(ROOT / "configs/qwen3-30b-a3b.yaml"),
+                          ["parallel.expert_parallel=16", "parallel.pipeline_parallel=1"])
+    assert not check_layout(moe, 2, 8).expert_groups_within_nodes
+    with pytest.raises(ConfigError, match="expert_parallel=3 .* the model's 128 experts"):
+        check_layout(load_run_config(str(ROOT / "configs/qwen3-30b-a3b.yaml"),
+                                     ["parallel.expert_parallel=3", "rollout.tensor_parallel=1",
+                                      "parallel.pipeline_parallel=1"]), 1, 3)
+
+
+def test_the_moe_recipe_keeps_each_expert_group_and_pipeline_stage_on_one_node():
+    """Megatron's own rank generator (an independent reference for the layout's claim): every expert group and
+    every pipeline stage of qwen3-30b-a3b lies on one node, and each GPU holds 16 of a layer's 128 experts."""
+    from megatron.core.parallel_state import RankGenerator
+
+    recipe = get_recipe("qwen3-30b-a3b")
+    run = load_recipe(recipe, [])
+    layout = check_layout(run, recipe.nodes, recipe.gpus_per_node)
+    p, world = run.parallel, recipe.nodes * recipe.gpus_per_node
+    experts = RankGenerator(tp=p.expert_tensor_parallel, ep=p.expert_parallel,
+                            dp=world // (p.expert_parallel * p.pipeline_parallel), pp=p.pipeline_parallel, cp=1,
+                            order="tp-cp-ep-dp-pp")
+    dense = RankGenerator(tp=p.tensor_parallel, ep=1, dp=layout.data_parallel, pp=p.pipeline_parallel, cp=1,
+                          order="tp-cp-ep-dp-pp")
+    node = lambda rank: rank // recipe.gpus_per_node  # noqa: E731
+    for group in experts.get_ranks("ep"):
+        assert len(group) == 8 and len({node(r) for r in group}) == 1, group
+    stages = [[group[stage] for group in dense.get_ranks("pp")] for stage in range(p.pipeline_parallel)]
+    assert [sorted({node(r) for r in stage}) for stage in stages] == [[0], [1]]
+    assert layout.expert_groups_within_nodes
+    shape = json.loads((ROOT / run.model.config).read_text())
+    assert shape["num_experts"] // p.expert_parallel == 16
 
 
 def test_site_roots_rebase_the_yaml_paths_and_explicit_overrides_win(monkeypatch):
@@ -289,6 +327,7 @@ def test_cli_list_show_and_dryrun(tmp_path):
     show = _cli("launch", "show", "qwen3-14b", "trainer.steps=9", "--ckpt-root", "/m")
     assert show.returncode == 0, show.stderr
     assert "TP=4 (SP) PP=2 CP=1 DP=2" in show.stdout and "checkpoint: /m/Qwen3-14B" in show.stdout
+    assert "\n# Layout: 2 nodes (16 GPUs), TP=4 PP=2 -> DP=2" in show.stdout  # the recipe's reasons, from its YAML
     plain = shlex.split(show.stdout.strip().splitlines()[-1])
     assert plain[:3] == ["torchrun", "--nnodes", "2"] and plain[-3:] == ["--algo", "dynamo", "--resume"]
     dry = _cli("launch", "run", "qwen3-14b", "--executor", "slurm", "trainer.steps=9", "--partition", "p",
@@ -305,11 +344,19 @@ def test_cli_list_show_and_dryrun(tmp_path):
     assert notes[4].startswith("#       each task's ") and "log-dynamo-qwen3-14b_%j_" in notes[4]
     assert notes[-1] == "# not set: --account ($DYNAMO_SLURM_ACCOUNT): sbatch takes the cluster's defaults"
     assert "Detected Torchrun" not in dry.stdout + dry.stderr
+    assert "\n# Layout: 2 nodes (16 GPUs), TP=4 PP=2 -> DP=2" in dry.stdout
+    moe = _cli("launch", "run", "qwen3-30b-a3b", "--executor", "slurm", "--code-dir", "/c", "--dryrun")
+    assert moe.returncode == 0, moe.stderr
+    assert moe.stdout.startswith("# qwen3-30b-a3b: 2 node(s) x 8 GPUs = 16 ranks: TP=1 PP=2 CP=1 DP=8 EP=8 (expert TP "
+                                 "1), each expert group on one node; 4 vLLM engine(s) of TP=4"), moe.stdout[:300]
+    for reason in ("# - EP=8:", "# - TP=1:", "# - PP=2, one stage", "# vLLM: engines of TP=4"):
+        assert f"\n{reason}" in moe.stdout, reason
     local = _cli("launch", "run", "qwen3-14b", "--executor", "local", "--dryrun")
     assert local.returncode == 2 and "--nodes 1" in local.stderr
     for bad in (["launch", "run", "qwen4", "--executor", "local"], ["launch", "show", "qwen3-14b", "trainer.step=1"],
                 ["launch", "run", "convert-hf-to-megatron", "--executor", "slurm", "--dryrun", "src=/a"],
-                ["launch", "show", "convert-megatron-to-hf", "src=/a", "tp=2"]):
+                ["launch", "show", "convert-megatron-to-hf", "src=/a", "tp=2"],
+                ["launch", "run", "qwen3-30b-a3b", "--executor", "slurm", "--dryrun", "parallel.expert_parallel=5"]):
         proc = _cli(*bad)
         assert proc.returncode == 2 and proc.stderr.startswith("dynamo launch:"), (bad, proc.stderr)
 

@@ -51,6 +51,7 @@ def _reference_engines(first: int, ranks: int, tensor_parallel: int) -> list[lis
     ("qwen2.5-math-7b", 8, 2, 4, 1, 4, 0),
     ("qwen2.5-math-7b-separate", 16, 2, 4, 1, 4, 8),
     ("qwen3-14b", 16, 2, 4, 2, 8, 0),
+    ("qwen3-30b-a3b", 16, 8, 1, 2, 4, 0),
 ])
 def test_the_recipes_layouts(name, world, dp, tp, pp, engines, first_engine_rank):
     recipe = RECIPES[name]

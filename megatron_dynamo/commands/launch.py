@@ -39,7 +39,7 @@ from megatron_dynamo.config import ConfigError, parse_yaml, to_dict
 from megatron_dynamo.launch import nemo
 from megatron_dynamo.launch.entry import convert_args
 from megatron_dynamo.launch.recipes import (CONVERSIONS, RECIPES, SiteRoots, TRAIN_ENV, check_layout, get_recipe,
-                                            load_recipe, recipe_overrides, train_args)
+                                            layout_reasons, load_recipe, recipe_overrides, train_args)
 from megatron_dynamo.trainer.config import ALGORITHMS
 
 
@@ -141,8 +141,9 @@ def _show(args) -> int:
     overrides = recipe_overrides(recipe, _roots(args), args.overrides)
     cfg = load_recipe(recipe, overrides, args.algo)
     layout = check_layout(cfg, recipe.nodes, recipe.gpus_per_node)
-    print(f"# {recipe.name}: {recipe.config}\n# layout: {layout.describe()}\n"
-          f"# algo: {args.algo}; resume on: the latest checkpoint under the output directory, if any")
+    print(f"# {recipe.name}: {recipe.config}\n# layout: {layout.describe()}")
+    print("\n".join(layout_reasons(recipe)))
+    print(f"# algo: {args.algo}; resume on: the latest checkpoint under the output directory, if any")
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     print("\n# the same run without nemo-run, on every node of the job (scripts/slurm/train.sbatch does this):")
     print(f"torchrun --nnodes {recipe.nodes} --nproc-per-node {recipe.gpus_per_node} --rdzv-backend c10d "
@@ -208,6 +209,8 @@ def _run(args) -> int:
             retries=retries if args.retries is None else args.retries, rdzv_port=args.rdzv_port)
         executor = nemo.slurm_executor(options, nodes, gpus, time_limit, env, use_torchrun=torchrun)
     print(f"# {name}: {summary}", flush=True)
+    if args.name not in CONVERSIONS and args.dryrun:
+        print("\n".join(layout_reasons(recipe)))
     if not args.dryrun:
         local_job_dir = args.executor == "slurm" and not args.ssh_host and args.job_dir
         state = nemo.submit(task, executor, name, detach=args.executor == "slurm",

@@ -12,13 +12,14 @@ environment variables) as ordinary ``key=value`` overrides, so the rendered comm
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 from megatron_dynamo.algorithms.baselines import check_algorithm_overrides
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml
 from megatron_dynamo.parallel.topology import JobTopology, check_at_least_one, check_divides
 from megatron_dynamo.trainer.config import ALGORITHMS, RunConfig, load_run_config
+from megatron_dynamo.trainer.preflight import check_model_on_layout
 
 
 # The project checkout (configs/ is not part of the installed package; the launcher needs an editable install or
@@ -52,6 +53,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
                       "trainer.output_dir=outputs/qwen2.5-math-7b-separate")),
     Recipe("qwen3-14b", "configs/qwen3-14b.yaml", nodes=2,
            description="Qwen3-14B, 2 nodes: TP=4 (SP) PP=2 DP=2"),
+    Recipe("qwen3-30b-a3b", "configs/qwen3-30b-a3b.yaml", nodes=2,
+           description="Qwen3-30B-A3B (MoE, 128 experts), 2 nodes: TP=1 PP=2 EP=8 DP=8"),
 )}
 
 # Conversion recipes: name -> `python -m checkpoints_convert` direction. They run on the CPU (the converter hides
@@ -115,6 +118,18 @@ def config_path(recipe: Recipe) -> Path:
     return PROJECT_ROOT / recipe.config
 
 
+def layout_reasons(recipe: Recipe) -> list[str]:
+    """The "Layout:" paragraph of the recipe YAML's header comment and what follows it in that comment (why each
+    of nodes, TP, PP, EP and the vLLM engines is what it is), as comment lines; [] when the header has none."""
+    header = []
+    for line in config_path(recipe).read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    start = next((i for i, line in enumerate(header) if line.startswith("# Layout")), len(header))
+    return header[start:]
+
+
 def _rebase(value: str, root: str) -> str:
     """``checkpoints/Qwen3-14B`` on root ``/lustre/models`` -> ``/lustre/models/Qwen3-14B``."""
     return str(PurePosixPath(root) / PurePosixPath(value).name)
@@ -172,11 +187,21 @@ class Layout:
     def data_parallel(self) -> int:
         return self.topology.parallel.data_parallel
 
+    @property
+    def expert_groups_within_nodes(self) -> bool:
+        """Megatron gives an expert group (expert_parallel x expert_tensor_parallel ranks) consecutive ranks, from 0
+        (its rank order tp-cp-ep-dp-pp), so a node holds whole groups when its GPUs are a multiple of the group."""
+        p = self.topology.parallel
+        return self.gpus_per_node % (p.expert_parallel * p.expert_tensor_parallel) == 0
+
     def describe(self) -> str:
         sp = " (SP)" if self.sequence_parallel else ""
         top, p, engines = self.topology, self.topology.parallel, self.topology.rollout
         head = (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs = {top.world_size} ranks: TP={p.tensor_parallel}{sp} "
-                f"PP={p.pipeline_parallel} CP={p.context_parallel} DP={p.data_parallel}")
+                f"PP={p.pipeline_parallel} CP={p.context_parallel} DP={p.data_parallel}{p.describe_experts()}")
+        if p.expert_parallel > 1:
+            head += (", each expert group on one node" if self.expert_groups_within_nodes
+                     else ", expert groups span nodes (their all-to-all crosses the network)")
         if top.separate:
             return (f"{head} on ranks 0-{p.ranks - 1}; {engines.num_engines} vLLM engine(s) of "
                     f"TP={engines.tensor_parallel} on ranks {top.first_engine_rank}-{top.world_size - 1}")
@@ -189,6 +214,8 @@ def check_layout(run: RunConfig, nodes: int, gpus_per_node: int) -> Layout:
     check_at_least_one("nodes", nodes)
     check_at_least_one("GPUs per node", gpus_per_node)
     topology = JobTopology.resolve(nodes * gpus_per_node, run.parallel, run.rollout)
+    if run.model.config is not None and (PROJECT_ROOT / run.model.config).is_file():
+        check_model_on_layout(replace(run, model=replace(run.model, config=str(PROJECT_ROOT / run.model.config))))
     tensor_parallel = topology.rollout.tensor_parallel
     check_divides(f"rollout.tensor_parallel={tensor_parallel}", tensor_parallel, f"the {gpus_per_node} GPUs of a node",
                   gpus_per_node, "every GPU hosts a vLLM worker; an engine's ranks share a node")

@@ -214,6 +214,22 @@ def _architecture_kwargs(arch: QwenArchitecture) -> dict:
     )
 
 
+def check_model_layout(arch: QwenArchitecture, tensor_parallel: int, pipeline_parallel: int,
+                       expert_parallel: int = 1, expert_tensor_parallel: int = 1) -> None:
+    """The model over a parallel layout: heads and vocabulary over the TP ranks, layers over the stages, experts over
+    the expert ranks. :class:`UnsupportedModelConfig` / ConfigError in one line otherwise. ``dynamo train`` and
+    ``dynamo launch`` call it before any rank starts; every rank calls it again when it builds the model."""
+    tp, pp = tensor_parallel, pipeline_parallel
+    for name, value in (("num_attention_heads", arch.num_attention_heads),
+                        ("num_key_value_heads", arch.num_key_value_heads), ("vocab_size", arch.vocab_size)):
+        if value % tp:
+            raise UnsupportedModelConfig(f"config.json: {name}={value} is not divisible by tensor_parallel={tp}")
+    if arch.num_layers % pp:
+        raise UnsupportedModelConfig(
+            f"config.json: num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel={pp}")
+    check_moe_layout(arch.moe, tp, expert_parallel, expert_tensor_parallel)
+
+
 def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32", moe: MoEConfig | None = None,
                        **overrides):
     """The Megatron ``TransformerConfig`` of a Qwen architecture under the current parallel state.
@@ -228,17 +244,8 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
     on_gpu = torch.cuda.is_available()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    for name, value in (("num_attention_heads", arch.num_attention_heads),
-                        ("num_key_value_heads", arch.num_key_value_heads)):
-        if value % tp:
-            raise UnsupportedModelConfig(f"config.json: {name}={value} is not divisible by tensor_parallel={tp}")
-    if arch.vocab_size % tp:
-        raise UnsupportedModelConfig(f"config.json: vocab_size={arch.vocab_size} is not divisible by tensor_parallel={tp}")
-    if arch.num_layers % pp:
-        raise UnsupportedModelConfig(
-            f"config.json: num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel={pp}")
-    check_moe_layout(arch.moe, tp, parallel_state.get_expert_model_parallel_world_size(),
-                     parallel_state.get_expert_tensor_parallel_world_size())
+    check_model_layout(arch, tp, pp, parallel_state.get_expert_model_parallel_world_size(),
+                       parallel_state.get_expert_tensor_parallel_world_size())
     kwargs = dict(
         **_architecture_kwargs(arch),
         tensor_model_parallel_size=tp,

@@ -148,6 +148,12 @@ class TrainingLayout:
     def data_parallel(self) -> int:
         return self.ranks // self.model_parallel
 
+    def describe_experts(self) -> str:
+        """`` EP=8 (expert TP 1)`` when the experts are split over ranks, else nothing (a dense model's layout)."""
+        if self.expert_parallel == self.expert_tensor_parallel == 1:
+            return ""
+        return f" EP={self.expert_parallel} (expert TP {self.expert_tensor_parallel})"
+
 
 @dataclass(frozen=True)
 class EngineLayout:
@@ -297,7 +303,7 @@ class JobTopology:
     def describe(self) -> str:
         """One line: the training layout and the engines (the header of ``dynamo train``, ``dynamo launch``)."""
         p, r = self.parallel, self.rollout
-        line = (f"DP {p.data_parallel} x TP {p.tensor_parallel} x PP {p.pipeline_parallel}; "
+        line = (f"DP {p.data_parallel} x TP {p.tensor_parallel} x PP {p.pipeline_parallel}{p.describe_experts()}; "
                 f"{plural(r.num_engines, 'rollout engine')} of {plural(r.tensor_parallel, 'rank')}")
         if self.separate:
             first, last = self.first_engine_rank, self.world_size - 1

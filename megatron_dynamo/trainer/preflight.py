@@ -25,7 +25,9 @@ from megatron_dynamo.models.checkpoint_io.signing import CheckpointKeyError, sig
 from megatron_dynamo.models.checkpoint_io.write_errors import disk_space, human_bytes
 from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
 from megatron_dynamo.models.mappings import hf_parameter_shapes
-from megatron_dynamo.models.qwen import load_hf_config, parse_qwen_config
+from megatron_dynamo.models.config_errors import UnsupportedModelConfig
+from megatron_dynamo.models.qwen import check_model_layout, load_hf_config, parse_qwen_config
+from megatron_dynamo.parallel.topology import check_expert_tensor_parallel_on_cpu
 from megatron_dynamo.trainer.checkpoint import list_checkpoints
 from megatron_dynamo.trainer.config import RunConfig
 
@@ -39,6 +41,17 @@ def _check_model_config(path: str, key: str = "model.config") -> None:
         json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{key}: {file} is not valid JSON ({exc})") from None
+
+
+def check_model_on_layout(run: RunConfig) -> None:
+    """The model of ``run`` over its ``parallel`` layout (heads, vocabulary, layers, experts), as every rank checks it
+    when it builds the model: a ConfigError in one line before any rank starts."""
+    p = run.parallel
+    try:
+        arch = parse_qwen_config(load_hf_config(run.model.config_source()))
+        check_model_layout(arch, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.expert_tensor_parallel)
+    except UnsupportedModelConfig as exc:
+        raise ConfigError(f"{run.model.config_source()}: {str(exc).removeprefix('config.json: ')}") from None
 
 
 def _one_of_many_ranks() -> bool:
@@ -239,6 +252,8 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: boo
         _check_checkpoint(run.model.checkpoint)
         if run.model.config is None:  # the architecture comes from the checkpoint's config.json
             _check_model_config(run.model.config_source(), "model.checkpoint")
+    if run.model.config is not None or run.model.checkpoint is not None:
+        check_model_on_layout(run)
     if run.model.tokenizer != "char" and not Path(run.model.tokenizer).expanduser().is_dir():
         raise ConfigError(f"model.tokenizer: no such directory: {run.model.tokenizer} (a tokenizer directory, or "
                           "'char' for the synthetic task's character tokenizer)")
@@ -255,6 +270,8 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: boo
     if torch.cuda.is_available() and run.rollout.tensor_parallel > torch.cuda.device_count():
         raise ConfigError(f"rollout.tensor_parallel ({run.rollout.tensor_parallel}) exceeds the "
                           f"{torch.cuda.device_count()} GPU(s) of this node")
+    if not torch.cuda.is_available():
+        check_expert_tensor_parallel_on_cpu(run.parallel.expert_tensor_parallel)
     evaluation = run.evaluation
     if evaluation.every or evaluation.at_start:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
