@@ -17,6 +17,8 @@ Parts (each a function ``part_<name>(ctx) -> dict`` in ``gpu_check_parts/part_<n
 - ``model_1p5b``: the Qwen2.5-Math-1.5B shape, random weights, bf16 (TE spec when TE imports, else the local spec),
   the recipe's distributed optimizer: forward, forward+backward and optimizer-step times, tokens/s, peak memory,
   at several (sequences x tokens) micro-batches.
+- ``moe``: a random-weight Qwen3-MoE shape (Qwen3-30B-A3B's layer: 128 experts, top-8; as many of its layers as one
+  GPU holds with the optimizer), bf16, expert parallel 1: the same times, tokens/s and peak memory.
 - ``vllm``: the official vLLM on CUDA fed by Megatron: per-prompt sample counts (each prompt gets exactly its count),
   weight sync (s, GB/s), generation throughput, and the log-prob gap between the trainer's forward and vLLM on the
   same sampled tokens, in bf16 and fp32.
@@ -51,6 +53,7 @@ if str(REPO) not in sys.path:
 from benchmarks.gpu_check_parts.common import Ctx, child_env, error_line  # noqa: E402
 from benchmarks.gpu_check_parts.environment import collect_env, env_line, install, skip_reason  # noqa: E402
 from benchmarks.gpu_check_parts.part_model_1p5b import part_model_1p5b  # noqa: E402
+from benchmarks.gpu_check_parts.part_moe import part_moe  # noqa: E402
 from benchmarks.gpu_check_parts.part_sleep_wake import part_sleep_wake  # noqa: E402
 from benchmarks.gpu_check_parts.part_te_parity import part_te_parity  # noqa: E402
 from benchmarks.gpu_check_parts.part_tests import part_tests  # noqa: E402
@@ -62,7 +65,8 @@ from benchmarks.gpu_check_parts.report import append_report, load_results, rende
 
 
 PART_FUNCTIONS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
-    "tests": part_tests, "te_parity": part_te_parity, "model_1p5b": part_model_1p5b, "vllm": part_vllm,
+    "tests": part_tests, "te_parity": part_te_parity, "model_1p5b": part_model_1p5b, "moe": part_moe,
+    "vllm": part_vllm,
     "train_tiny": part_train_tiny, "train_1p5b": part_train_1p5b, "sleep_wake": part_sleep_wake,
     "update": part_update,
 }

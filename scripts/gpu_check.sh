@@ -13,7 +13,7 @@
 #   --out DIR            where gpu_check_report.md, gpu_check.json and gpu_check.log go
 #                        (default: $OUT when set, e.g. on the lent device machine, else outputs/gpu_check/<stamp>)
 #   --total-seconds N    time budget of the whole command (default: the sum of the chosen parts' limits plus 15 s
-#                        each and 120 s for installs; all parts: 3720 s); a part gets min(its limit, what is left),
+#                        each and 120 s for installs; all parts: 4155 s); a part gets min(its limit, what is left),
 #                        and a part with under 60 s left is NOT RUN (on the device tool, whose commands stop at
 #                        600 s: --total-seconds 580 and few parts)
 #   --commit HASH        the commit to report where the checkout has no git metadata (the device machine's copy)

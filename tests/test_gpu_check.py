@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 WHEELS_SCRIPT = ROOT / "scripts" / "gpu_wheels.sh"
-PARTS = ["tests", "te_parity", "model_1p5b", "vllm", "train_tiny", "train_1p5b", "sleep_wake", "update"]
+PARTS = ["tests", "te_parity", "model_1p5b", "moe", "vllm", "train_tiny", "train_1p5b", "sleep_wake", "update"]
 
 
 def _module():
@@ -224,7 +224,7 @@ def test_an_out_of_memory_the_card_cannot_hold_is_a_measured_limit_not_a_failure
     """The 1.5B part's rule for OOM, with the rows measured on the lent cards (local spec, bf16): 1x2048 peaked at
     40.67 GiB with 14.61 GiB of activations, so 4x2048 needs ~84.5 GiB: expected on an 80 GiB H100 (79.2 GiB
     usable), a failure on a 139 GiB H200 where it ran."""
-    from benchmarks.gpu_check_parts.part_model_1p5b import _predicted_peak_gib
+    from benchmarks.gpu_check_parts.step_shapes import predicted_peak_gib as _predicted_peak_gib
 
     rows = [{"micro-batch": "1x2048", "peak alloc GiB": 40.67, "activations GiB": 14.61},
             {"micro-batch": "1x4096", "result": "OOM"}]
@@ -233,3 +233,22 @@ def test_an_out_of_memory_the_card_cannot_hold_is_a_measured_limit_not_a_failure
     assert _predicted_peak_gib(rows, 4, 2048) < 0.9 * 139.8
     assert _predicted_peak_gib(rows, 1, 2048) == pytest.approx(40.67)
     assert _predicted_peak_gib(rows, 2, 4096) is None  # 1x4096 did not run: no prediction, the OOM counts
+
+
+def test_the_moe_part_counts_the_weights_a_token_uses_as_the_model_card_does():
+    """Qwen3-30B-A3B's model card: 30.5 B parameters, 3.3 B activated per token (with the input embedding, which
+    costs no matmul). The moe part's FLOP count (6 x the weights a token uses at sequence length 0) must agree."""
+    import json
+
+    from benchmarks.gpu_check_parts.part_moe import _layers_that_fit, moe_flops_per_token
+    from benchmarks.gpu_check_parts.registry import QWEN3_30B_A3B
+    from megatron_dynamo.models.qwen import parse_qwen_config
+
+    cfg = json.loads(QWEN3_30B_A3B.read_text())
+    arch = parse_qwen_config(cfg)
+    activated = moe_flops_per_token(arch, 0) / 6 + arch.vocab_size * arch.hidden_size
+    assert activated == pytest.approx(3.3e9, rel=0.02)
+    assert moe_flops_per_token(arch, 4096) > moe_flops_per_token(arch, 0)  # attention scores grow with the length
+    # 18 B a parameter with the optimizer, half the memory for the weights: 139 GiB (H200) holds 5 of the 48
+    # layers, 79 GiB (H100) 2, and a nearly full card still builds one.
+    assert [_layers_that_fit(cfg, gib) for gib in (139.0, 79.0, 1.0)] == [5, 2, 1]

@@ -11,6 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 QWEN_1_5B = REPO / "configs" / "models" / "qwen2.5-math-1.5b.json"
 TINY_QWEN2 = REPO / "configs" / "models" / "tiny-qwen2.json"
+QWEN3_30B_A3B = REPO / "configs" / "models" / "qwen3-30b-a3b.json"
+TINY_QWEN3_MOE = REPO / "configs" / "models" / "tiny-qwen3-moe.json"
 RESULTS_MD = REPO / "docs" / "changelog.md"
 REPORT_TITLE = "## GPU check"
 
@@ -33,6 +35,9 @@ PARTS: dict[str, Part] = {p.name: p for p in (
          cpu_ok=False),
     Part("model_1p5b", 420, ("cuda", "megatron"),
          "Qwen2.5-Math-1.5B shape, random init, bf16: fwd / fwd+bwd / optimizer step time, tokens/s, peak memory"),
+    Part("moe", 420, ("cuda", "megatron"),
+         "Qwen3-30B-A3B layer shape (128 experts, top-8), random init, bf16, as many layers as fit: fwd / fwd+bwd / "
+         "optimizer step time, tokens/s, peak memory"),
     Part("vllm", 540, ("cuda", "megatron", "vllm", "transformers", "psutil"),
          "official vLLM: per-prompt counts, weight sync GB/s, generation tokens/s, trainer-vs-vLLM log-prob gap "
          "(bf16, fp32)"),
