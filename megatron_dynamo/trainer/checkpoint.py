@@ -140,7 +140,7 @@ def _write_state(tmp: Path, rank: int, step: int, chunks, optimizer, trainer_sta
     save_model_checkpoint(chunks, tmp)
     (tmp / "optimizer").mkdir(exist_ok=True) if rank == 0 else None
     dist.barrier()
-    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks))
+    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), metadata=OPTIMIZER_METADATA)
     dist_checkpointing.save({"optimizer": sharded}, str(tmp / "optimizer"))
     if rank == 0:
         if in_flight:
@@ -193,10 +193,55 @@ def load_checkpoint(path: str | os.PathLike, chunks, optimizer) -> dict[str, Any
     state = json.loads((path / STATE_FILE).read_text())
     load_model_checkpoint(chunks, path)
     if optimizer is not None:
-        sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)
+        sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True,
+                                               metadata=OPTIMIZER_METADATA)
         with reading_checkpoint(path / "optimizer"):
-            loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))
-        optimizer.load_state_dict(loaded["optimizer"])
+            loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))["optimizer"]
+        if set(loaded) != set(sharded):  # saved at another expert-parallel size
+            loaded = _in_this_chaining(sharded, loaded)
+        optimizer.load_state_dict(loaded)
+    return state
+
+
+# Megatron chains a second optimizer for the experts at expert parallel > 1 (one optimizer at 1) and by default
+# prefixes each one's tensor keys with its place in the chain ("chained_1.optimizer.state.exp_avg...."). Without the
+# prefix the keys are the parameters' own, the same at every expert-parallel size, so the state reshards.
+OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _in_this_chaining(sharded, loaded):
+    """The optimizer state of a checkpoint saved at another expert-parallel size, for this optimizer: dist
+    checkpointing loaded every state tensor into this optimizer's structure (``sharded``: a dict per chained
+    optimizer, or one), but the rest (parameter groups, the step) in the saved one. This optimizer's own parameter
+    groups, the loaded tensors, and the saved step."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    def fill(node, got):
+        if isinstance(node, ShardedBase):
+            return got
+        if isinstance(node, LocalNonpersistentObject):
+            return node.unwrap()
+        if isinstance(node, dict):
+            return {k: fill(v, got.get(k) if isinstance(got, dict) else None) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v, got[i] if isinstance(got, list) and i < len(got) else None) for i, v in enumerate(node)]
+        return node
+
+    steps = []
+
+    def find_step(node):
+        if isinstance(node, dict):
+            if "common_step" in node:
+                steps.append(node["common_step"])
+            for value in node.values():
+                find_step(value)
+
+    find_step(loaded)
+    state = fill(sharded, loaded)
+    optimizers = [state] if "param_groups" in state else [v for v in state.values() if isinstance(v, dict)]
+    for optimizer_state in optimizers:
+        if steps:
+            optimizer_state["state"]["common_step"] = steps[0]
     return state
 
 
