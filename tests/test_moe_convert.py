@@ -299,7 +299,8 @@ def test_launched_with_other_than_the_layouts_ranks_is_one_line(models, tmp_path
     """Under torchrun the processes are started already: 3 for --ep 2 (2 ranks) is refused before any work."""
     for name, value in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
-    code, err = converter_cli("hf-to-megatron", "--hf", models["qwen3_moe"]["dir"], "--out", tmp_path / "out", "--ep", "2")
+    code, err = converter_cli("hf-to-megatron", "--hf", models["qwen3_moe"]["dir"], "--out", tmp_path / "out",
+                              "--ep", "2")
     assert (code, err.strip()) == (1, "error: launched with 3 processes but --pp x lcm(--tp, --ep) = 2; start "
                                       "exactly 2 (torchrun --nproc-per-node 2 ...)")
     assert not (tmp_path / "out").exists()

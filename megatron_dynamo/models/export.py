@@ -23,8 +23,8 @@ Contract
 - **Dtype.** ``dtype=None``: the model's parameter dtype (fp32, or bf16 for a bf16 model); otherwise tensors are
   cast on the owning rank before they are sent (so bf16 export of an fp32 model moves half the bytes).
 - **Device.** Tensors live on the parameters' device (CPU here, the GPU under NCCL).
-- **Memory.** One parameter (one expert's tensor) at a time: its TP shards, the HF tensors made from them, and on receiving stages a
-  buffer of that size. The model is never gathered whole.
+- **Memory.** One parameter (one expert's tensor) at a time: its TP shards, the HF tensors made from them, and on
+  receiving stages a buffer of that size. The model is never gathered whole.
 - **Aliasing.** A yielded tensor may share storage with a parameter (replicated norms, TP=1 slices) or be
   reused after the next step of the generator: treat it as read-only and copy it if you keep it.
 

@@ -198,23 +198,51 @@ def load_checkpoint(path: str | os.PathLike, chunks, optimizer) -> dict[str, Any
         with reading_checkpoint(path / "optimizer"):
             loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))["optimizer"]
         if set(loaded) != set(sharded):  # saved at another expert-parallel size
-            loaded = _in_this_chaining(sharded, loaded)
+            loaded = _in_this_chaining(optimizer, sharded, loaded)
         optimizer.load_state_dict(loaded)
     return state
 
 
 # Megatron chains a second optimizer for the experts at expert parallel > 1 (one optimizer at 1) and by default
 # prefixes each one's tensor keys with its place in the chain ("chained_1.optimizer.state.exp_avg...."). Without the
-# prefix the keys are the parameters' own, the same at every expert-parallel size, so the state reshards.
+# prefix the keys are the parameters' own, the same at every expert-parallel size, so the state reshards. The
+# distributed optimizer's format is its per-parameter one: megatron-core 0.16.1's default (fully_sharded_model_space)
+# cannot be saved at all ("ShardedTensor.flattened_range is not supported").
 OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _in_this_chaining(sharded, loaded):
+def _torch_states(node):
+    """The torch optimizer state dicts (``state`` and ``param_groups``) inside a Megatron optimizer's state dict."""
+    if isinstance(node, dict):
+        if "state" in node and "param_groups" in node:
+            yield node
+        else:
+            for value in node.values():
+                yield from _torch_states(value)
+
+
+def _saved_steps(node):
+    """Every ``common_step`` (Megatron's one step of all parameters' Adam states) inside a loaded state dict."""
+    if isinstance(node, dict):
+        if "common_step" in node:
+            yield node["common_step"]
+        for value in node.values():
+            yield from _saved_steps(value)
+
+
+def _in_this_chaining(optimizer, sharded, loaded):
     """The optimizer state of a checkpoint saved at another expert-parallel size, for this optimizer: dist
     checkpointing loaded every state tensor into this optimizer's structure (``sharded``: a dict per chained
     optimizer, or one), but the rest (parameter groups, the step) in the saved one. This optimizer's own parameter
-    groups, the loaded tensors, and the saved step."""
+    groups, the loaded tensors, and the saved step (Adam's bias correction depends on it)."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer])):
+        # Its step lives in its parameter groups, not carried over here: megatron-core 0.16.1 cannot load a
+        # distributed optimizer without CUDA (apex/TE), so no test here could show it right.
+        raise RuntimeError("resuming at another parallel.expert_parallel than the checkpoint's needs "
+                           "optim.use_distributed_optimizer: false")
 
     def fill(node, got):
         if isinstance(node, ShardedBase):
@@ -227,21 +255,13 @@ def _in_this_chaining(sharded, loaded):
             return [fill(v, got[i] if isinstance(got, list) and i < len(got) else None) for i, v in enumerate(node)]
         return node
 
-    steps = []
-
-    def find_step(node):
-        if isinstance(node, dict):
-            if "common_step" in node:
-                steps.append(node["common_step"])
-            for value in node.values():
-                find_step(value)
-
-    find_step(loaded)
+    # The saved step sits in the saved structure (the only one the loaded dict holds a step in: this optimizer is
+    # fresh); the loaded dict also holds this optimizer's own parameter lists where its structure has them.
+    steps = list(_saved_steps(loaded))
     state = fill(sharded, loaded)
-    optimizers = [state] if "param_groups" in state else [v for v in state.values() if isinstance(v, dict)]
-    for optimizer_state in optimizers:
-        if steps:
-            optimizer_state["state"]["common_step"] = steps[0]
+    for torch_state in _torch_states(state):
+        if steps:  # none when no update was ever taken
+            torch_state["state"]["common_step"] = steps[0]
     return state
 
 
