@@ -20,19 +20,20 @@ library_logs.apply_from_environment()
 
 
 DESCRIPTION = """\
-Convert Qwen2 / Qwen2.5 / Qwen3 checkpoints between Hugging Face safetensors and Megatron-Core distributed
-checkpoints, and check a conversion against HF transformers.
+Convert Qwen2 / Qwen2.5 / Qwen3 and Qwen2-MoE / Qwen3-MoE checkpoints between Hugging Face safetensors and
+Megatron-Core distributed checkpoints, and check a conversion against HF transformers.
 
 All work runs on the CPU with gloo (GPUs are hidden when started as `python -m checkpoints_convert`), so the
 result does not depend on GPU kernels; memory needed is about one copy of the model.
 
-Processes: with --tp 1 --pp 1 everything runs in this process. With --tp/--pp > 1 this command spawns
-tp x pp worker processes itself (torch.multiprocessing, start method spawn, gloo on 127.0.0.1). Under torchrun
-(RANK/WORLD_SIZE set) it spawns nothing: start exactly tp x pp processes, rank 0 writes the output.
+Processes: with --tp 1 --pp 1 --ep 1 everything runs in this process. Otherwise this command spawns
+pp x lcm(tp, ep) worker processes itself (tp x pp without experts; torch.multiprocessing, start method spawn,
+gloo on 127.0.0.1). Under torchrun (RANK/WORLD_SIZE set) it spawns nothing: start exactly that many processes,
+rank 0 writes the output.
 
 Megatron checkpoint layout: <dir>/megatron_dynamo.json (format version, dtype, source), <dir>/hf/config.json
 (+ generation config and tokenizer files), <dir>/model/ (dist_checkpointing, torch_dist), <dir>/manifest.json
-(size and SHA-256 of every file). It loads at any TP/PP.
+(size and SHA-256 of every file). It loads at any TP/PP (and EP: experts are stored by their global index).
 
 Trust: megatron-to-hf and verify check a Megatron checkpoint as `dynamo train --resume` does before loading
 anything (manifest, every file's SHA-256, no unlisted file, pickles that hold data only: loading never runs code
@@ -49,6 +50,7 @@ examples:
   python -m checkpoints_convert hf-to-megatron --hf Qwen2.5-Math-1.5B --out ckpt/megatron --tp 2 --pp 1
   python -m checkpoints_convert verify --hf Qwen2.5-Math-1.5B --megatron ckpt/megatron --tp 1 --pp 2
   python -m checkpoints_convert megatron-to-hf --megatron ckpt/megatron --out ckpt/hf --tokenizer Qwen2.5-Math-1.5B
+  python -m checkpoints_convert hf-to-megatron --hf Qwen3-30B-A3B --out ckpt/moe --tp 2 --ep 4
   torchrun --nproc-per-node 2 -m checkpoints_convert hf-to-megatron --hf DIR --out OUT --tp 2"""
 
 
@@ -75,11 +77,16 @@ def _positive(text: str) -> int:
 
 
 def _add_layout_and_console(p: argparse.ArgumentParser, layout_help: str) -> None:
-    """--tp / --pp (what they mean for this command: ``layout_help``), --quiet and --verbose."""
+    """--tp / --pp / --ep (what they mean for this command: ``layout_help``), --quiet and --verbose."""
     p.add_argument("--tp", type=_positive, default=1, metavar="N",
                    help=f"tensor-parallel size {layout_help} (default 1)")
     p.add_argument("--pp", type=_positive, default=1, metavar="N",
                    help=f"pipeline-parallel size {layout_help} (default 1)")
+    p.add_argument("--ep", type=_positive, default=1, metavar="N",
+                   help=f"expert-parallel size {layout_help}: a mixture-of-experts model's experts divided over N "
+                        "ranks, each expert whole on one (expert tensor parallel 1); N must divide the experts, "
+                        "and be 1 for a dense model. Runs --pp x lcm(--tp, --ep) ranks: an N beyond --tp adds "
+                        "data-parallel ranks that hold the other experts (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (errors still print)")
     p.add_argument("--verbose", action="store_true",
                    help="the libraries' own warnings and progress bars too (left out by default, as in training)")
@@ -93,8 +100,9 @@ def _add_hf_to_megatron(sub) -> None:
         description=textwrap.dedent("""\
             Read an HF checkpoint (config.json + model.safetensors, or shards with model.safetensors.index.json),
             check every tensor name and shape against config.json, and write a Megatron distributed checkpoint
-            that the trainer (and megatron-to-hf / verify) load at any TP/PP. Tensors are streamed one at a
-            time from the safetensors files; each rank holds only its shard of the model."""))
+            that the trainer (and megatron-to-hf / verify) load at any TP/PP/EP. Tensors are streamed one at a
+            time from the safetensors files; each rank holds only its shard of the model (and reads only its
+            own experts)."""))
     h2m.add_argument("--hf", required=True, metavar="DIR", help="HF model directory (config.json + safetensors)")
     h2m.add_argument("--out", required=True, metavar="DIR", help="output Megatron checkpoint directory (must not "
                      "exist unless --force)")

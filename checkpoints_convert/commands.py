@@ -10,6 +10,8 @@ import sys
 from checkpoints_convert import convert
 from checkpoints_convert.launch import RankError, is_driver
 from checkpoints_convert.sign import sign_checkpoint
+from checkpoints_convert.verify import verify
+from megatron_dynamo.config import ConfigError
 from megatron_dynamo.models.checkpoint_io import CheckpointError
 from megatron_dynamo.models.checkpoint_io.signing import CheckpointKeyError
 from megatron_dynamo.models.mappings import MappingError
@@ -25,15 +27,15 @@ def run_command(args: argparse.Namespace) -> int:
         if args.command == "sign":
             print(sign_checkpoint(args.directory), file=sys.stderr)
         elif args.command == "hf-to-megatron":
-            convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
-                                   quiet=args.quiet, max_item_bytes=args.max_item_size)
+            convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
+                                   force=args.force, quiet=args.quiet, max_item_bytes=args.max_item_size)
         elif args.command == "megatron-to-hf":
             convert.megatron_to_hf(args.megatron, args.out, hf_config_dir=args.hf_config, tokenizer_dir=args.tokenizer,
-                                   dtype=args.dtype, tp=args.tp, pp=args.pp, max_shard_bytes=args.max_shard_size,
-                                   force=args.force, quiet=args.quiet)
+                                   dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep,
+                                   max_shard_bytes=args.max_shard_size, force=args.force, quiet=args.quiet)
         else:
-            result = convert.verify(args.hf, args.megatron, tp=args.tp, pp=args.pp, tol=args.tol,
-                                    batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, quiet=args.quiet)
+            result = verify(args.hf, args.megatron, tp=args.tp, pp=args.pp, ep=args.ep, tol=args.tol,
+                            batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, quiet=args.quiet)
             if is_driver():
                 print(f"max_abs_logit_diff {result.max_abs_diff:.6e}")
                 if not result.passed:
@@ -43,7 +45,7 @@ def run_command(args: argparse.Namespace) -> int:
     except CheckpointKeyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (CheckpointError, MappingError, UnsupportedModelConfig, RankError) as exc:
+    except (CheckpointError, ConfigError, MappingError, UnsupportedModelConfig, RankError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK

@@ -35,6 +35,19 @@ def hf_model(config: str | dict, seed: int = 0, dtype=torch.float32, **overrides
     return model.eval()
 
 
+ROUTER_SCALE = 30.0  # HF draws router weights with std 0.02: near-uniform routing; scaled, it is decisive
+
+
+def reference_moe_model(config: str, seed: int = 0):
+    """The HF mixture-of-experts model of ``config`` (random weights, float32) with decisive routers."""
+    model = hf_model(config, seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(ROUTER_SCALE)
+    return model
+
+
 def hf_state_dict(config: str | dict, seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
     model = hf_model(config, seed, **overrides)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -56,3 +69,17 @@ def read_hf_checkpoint(directory) -> dict[str, torch.Tensor]:
 
     return {k: v for name in sorted(os.listdir(directory)) if name.endswith(".safetensors")
             for k, v in load_file(os.path.join(directory, name)).items()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor, so that equality is bitwise (NaN-safe, -0.0 != 0.0)."""
+    return t.contiguous().view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
+def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """The same tensor names, and each tensor of the same dtype, shape and bits."""
+    assert sorted(got) == sorted(want), f"{what}: tensor names differ: {sorted(set(got) ^ set(want))[:5]}"
+    for name in want:
+        assert got[name].dtype == want[name].dtype, f"{what}: {name} dtype {got[name].dtype} != {want[name].dtype}"
+        assert got[name].shape == want[name].shape, f"{what}: {name} shape"
+        assert torch.equal(bits(got[name]), bits(want[name])), f"{what}: {name} differs"

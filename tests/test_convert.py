@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_reference import REPO, TINY_QWEN2, TINY_QWEN3, hf_model
+from converter_cli import converter_cli, converter_program
+from hf_reference import TINY_QWEN2, TINY_QWEN3, assert_bit_identical, bits, hf_model
 from multiproc import run_on_ranks
 
 BATCH, SEQ = 2, 16
@@ -44,11 +43,6 @@ def token_batch(vocab: int = 128) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(11))
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a tensor, so that equality is bitwise (NaN-safe, -0.0 != 0.0)."""
-    return t.contiguous().view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
-
-
 def read_hf_dir(directory: str) -> dict[str, torch.Tensor]:
     from megatron_dynamo.models.checkpoint_io import HFCheckpointReader
 
@@ -62,14 +56,6 @@ def stored_items(megatron_dir: str) -> dict[str, int]:
 
     metadata = FileSystemReader(os.path.join(megatron_dir, "model")).read_metadata()
     return {key: len(getattr(md, "chunks", [])) for key, md in metadata.state_dict_metadata.items()}
-
-
-def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert sorted(got) == sorted(want), f"{what}: tensor names differ"
-    for name in want:
-        assert got[name].dtype == want[name].dtype, f"{what}: {name} dtype {got[name].dtype} != {want[name].dtype}"
-        assert got[name].shape == want[name].shape, f"{what}: {name} shape"
-        assert torch.equal(bits(got[name]), bits(want[name])), f"{what}: {name} differs"
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -96,6 +82,8 @@ def _layout_worker(rank, world_size, tp, pp, jobs, extra_loads, ids, max_item_by
     """Per model: hf-to-megatron at this layout, megatron-to-hf from it, logits and streamed export from the
     checkpoint; then load checkpoints saved at other layouts. Runs under the launcher (torchrun-like) path."""
     from checkpoints_convert import convert
+    from checkpoints_convert.launch import Layout
+    from checkpoints_convert.verify import _verify_rank
     from megatron.core import parallel_state
     from megatron_dynamo.models.checkpoint_io import HFCheckpointReader, load_model_checkpoint, read_checkpoint_info
     from megatron_dynamo.models.export import iter_hf_weights
@@ -129,7 +117,7 @@ def _layout_worker(rank, world_size, tp, pp, jobs, extra_loads, ids, max_item_by
                 bad.append("dst:" + name)
         logits = None
         if dtype_cast is None:
-            logits = convert._verify_rank(meg_dir, tp, pp, ids)
+            logits = _verify_rank(meg_dir, Layout(tp, pp), ids)
         return {"names": names, "dst_names": dst_names, "bad": bad, "logits": logits,
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
 
@@ -270,19 +258,6 @@ def test_exported_dir_loads_in_transformers(models, tp2_run):
 
 
 # ---------------------------------------------------------------------------------------------- errors
-def _cli(*args) -> tuple[int, str]:
-    """Run the CLI in this process (validation errors happen before any model or process group exists)."""
-    import contextlib
-    import io
-
-    from checkpoints_convert.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return code, err.getvalue()
-
-
 def _copy_with(src: str, dst, change_tensors=None, change_config=None) -> str:
     """A copy of an HF directory (single-file safetensors) with tensors and/or config edited."""
     import shutil
@@ -329,7 +304,7 @@ def test_hf_to_megatron_errors_name_the_problem_and_leave_nothing(models, tmp_pa
     change, needle = ERROR_CASES[case]
     src = _copy_with(models["qwen2_untied_g2"]["dir"], tmp_path / "src", **change)
     out = tmp_path / "out"
-    code, err = _cli("hf-to-megatron", "--hf", src, "--out", out)
+    code, err = converter_cli("hf-to-megatron", "--hf", src, "--out", out)
     assert code == 1, err
     assert needle in err and err.startswith("error:"), err
     _no_trace(out)
@@ -340,14 +315,14 @@ def test_tied_model_with_a_different_lm_head_is_refused(models, tmp_path):
     src = _copy_with(models["qwen2_tied_g1"]["dir"], tmp_path / "src",
                      change_tensors=lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
     out = tmp_path / "out"
-    code, err = _cli("hf-to-megatron", "--hf", src, "--out", out)
+    code, err = converter_cli("hf-to-megatron", "--hf", src, "--out", out)
     assert code == 1 and "lm_head.weight differs from model.embed_tokens.weight" in err, err
     _no_trace(out)
 
 
 def test_layout_that_does_not_divide_the_model_is_refused(models, tmp_path):
     out = tmp_path / "out"
-    code, err = _cli("hf-to-megatron", "--hf", models["qwen2_tied_g1"]["dir"], "--out", out, "--tp", "2")
+    code, err = converter_cli("hf-to-megatron", "--hf", models["qwen2_tied_g1"]["dir"], "--out", out, "--tp", "2")
     assert code == 1 and "num_key_value_heads=1" in err, err
     _no_trace(out)
 
@@ -356,7 +331,7 @@ def test_existing_output_is_refused_without_force(models, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    code, err = _cli("hf-to-megatron", "--hf", models["qwen2_untied_g2"]["dir"], "--out", out)
+    code, err = converter_cli("hf-to-megatron", "--hf", models["qwen2_untied_g2"]["dir"], "--out", out)
     assert code == 1 and "--force" in err, err
     assert (out / "keep.txt").read_text() == "mine"
 
@@ -440,21 +415,14 @@ def test_shard_writer_plan_checks_and_atomic_dir(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- the CLI as a program
-def _program(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "checkpoints_convert", *map(str, args)], capture_output=True,
-                          text=True, cwd=REPO, env=env, timeout=timeout)
-    return proc.returncode, proc.stdout, proc.stderr
-
-
 @pytest.mark.distributed
 @pytest.mark.extended
 def test_cli_spawns_workers_converts_and_verifies(models, tmp_path):
     meg = tmp_path / "meg"
-    code, _, err = _program("hf-to-megatron", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--out", meg,
+    code, _, err = converter_program("hf-to-megatron", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--out", meg,
                             "--pp", "2", "--quiet")
     assert code == 0, err
-    code, out, err = _program("verify", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--megatron", meg,
+    code, out, err = converter_program("verify", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--megatron", meg,
                               "--tp", "2")
     assert code == 0, err
     diff = float(out.split("max_abs_logit_diff")[1].split()[0])
@@ -463,7 +431,7 @@ def test_cli_spawns_workers_converts_and_verifies(models, tmp_path):
     # UserWarning, no progress bar.
     lines = err.splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"verify: {meg} verified; ") and "PASS" in lines[1], err
-    code, _, err = _program("hf-to-megatron", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--out",
+    code, _, err = converter_program("hf-to-megatron", "--hf", models["qwen3_tied_g2_sharded"]["dir"], "--out",
                             tmp_path / "meg1")
     assert code == 0, err
     header = err.splitlines()[0]  # a model of a few MB: its size in MiB, not "0.00 GiB"
@@ -471,7 +439,7 @@ def test_cli_spawns_workers_converts_and_verifies(models, tmp_path):
     # The same checkpoint against a different HF model of the same shape: verify must fail with exit code 3.
     other = tmp_path / "other"
     hf_model(TINY_QWEN3, seed=99).save_pretrained(other)
-    code, out, err = _program("verify", "--hf", other, "--megatron", meg, "--quiet")
+    code, out, err = converter_program("verify", "--hf", other, "--megatron", meg, "--quiet")
     assert code == 3 and "above the tolerance" in err, (code, out, err)
 
 
@@ -493,12 +461,12 @@ def test_cli_failure_inside_workers_leaves_nothing(models, tmp_path, tp1_run):
     (broken / "manifest.json").unlink()  # its checksums would refuse the change before any loading
     sign_checkpoint(broken)
     out = tmp_path / "out"
-    code, _, err = _program("megatron-to-hf", "--megatron", broken, "--out", out, "--quiet")
+    code, _, err = converter_program("megatron-to-hf", "--megatron", broken, "--out", out, "--quiet")
     assert code == 1 and "linear_fc1.weight" in err and "shape mismatch" in err, err
     _no_trace(out)
     # --hf-config describing another architecture is refused before anything is written.
     other = _copy_with(models["qwen2_untied_g2"]["dir"], tmp_path / "other_cfg",
                        change_config=lambda c: c.update(num_key_value_heads=4))
-    code, err = _cli("megatron-to-hf", "--megatron", meg, "--out", out, "--hf-config", other, "--quiet")
+    code, err = converter_cli("megatron-to-hf", "--megatron", meg, "--out", out, "--hf-config", other, "--quiet")
     assert code == 1 and "num_key_value_heads" in err, err
     _no_trace(out)

@@ -9,10 +9,13 @@ Contract
 --------
 - **Collective.** Every rank of the model-parallel group (all TP x PP ranks of a data-parallel replica) must
   iterate the generator to the end, in step: it drives the communication. Ranks outside the receiving replica
-  (``dst_rank`` mode) return at once.
+  (``dst_rank`` mode) return at once, unless the experts of a mixture-of-experts model are split over
+  expert-parallel ranks: those groups span the replicas, so then every rank iterates (and sends the experts it
+  holds, see :mod:`.export_experts`).
 - **Order.** HF order, the same on every rank: ``model.embed_tokens.weight``, then layer 0 .. L-1 (within a
   layer, the order of :func:`~megatron_dynamo.models.mappings.layer_mappings`: input norm, q, k, v, o, post-attention
-  norm, gate, up, down, [q/k/v biases], [q/k norms]), ``model.norm.weight``, and ``lm_head.weight`` unless the
+  norm, gate, up, down (a MoE layer: the router, each expert's gate, up, down by global expert index, [the shared
+  expert's and its gate]), [q/k/v biases], [q/k norms]), ``model.norm.weight``, and ``lm_head.weight`` unless the
   embeddings are tied (then HF has no ``lm_head`` and the output layer is not exported).
 - **Who receives.** ``dst_rank=None``: every rank of the model-parallel group yields every ``(name, tensor)``.
   ``dst_rank=r`` (a global rank): only rank ``r`` yields; the others iterate to drive the transfers and yield
@@ -20,8 +23,8 @@ Contract
 - **Dtype.** ``dtype=None``: the model's parameter dtype (fp32, or bf16 for a bf16 model); otherwise tensors are
   cast on the owning rank before they are sent (so bf16 export of an fp32 model moves half the bytes).
 - **Device.** Tensors live on the parameters' device (CPU here, the GPU under NCCL).
-- **Memory.** One parameter at a time: its TP shards, the HF tensors made from them, and on receiving stages a
-  buffer of that size. The model is never gathered whole.
+- **Memory.** One parameter (one expert's tensor) at a time: its TP shards, the HF tensors made from them, and on
+  receiving stages a buffer of that size. The model is never gathered whole.
 - **Aliasing.** A yielded tensor may share storage with a parameter (replicated norms, TP=1 slices) or be
   reused after the next step of the generator: treat it as read-only and copy it if you keep it.
 
@@ -29,7 +32,8 @@ Communication per parameter: TP shards are combined with ``all_gather`` over the
 stage (``gather`` to one rank in ``dst_rank`` mode; replicated norms need none), then the owning stage
 ``broadcast``s the HF tensors over the pipeline group (``send``/``recv`` to ``dst_rank``). Which stage owns which
 parameter is agreed once per call with one small ``all_gather_object`` over the pipeline group, so any
-pipeline layout (including virtual stages and uneven splits) works without assumptions.
+pipeline layout (including virtual stages and uneven splits) works without assumptions. Experts split over
+expert-parallel ranks (expert tensor parallel 1) come from the rank that holds them: :mod:`.export_experts`.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dynamo.models.export_experts import ExpertRanks, expert_of, expert_ranks, expert_tensors
 from megatron_dynamo.models.mappings import (MappingError, ParamMapping, ReplicatedMapping, chunk_mappings,
                                              global_mappings, unwrap_model)
 from megatron_dynamo.models.qwen import QwenArchitecture
@@ -112,10 +117,10 @@ def _export_ranks(ps, dst_rank: int | None) -> _ExportRanks | None:
                         dist.get_process_group_ranks(tp_group), dist.get_process_group_ranks(pp_group))
 
 
-def _stage_owners(local: dict, ranks: _ExportRanks) -> dict[tuple[str, ...], int]:
+def _stage_owners(local: dict, ps) -> dict[tuple[str, ...], int]:
     """Which pipeline stage owns each parameter: one small exchange per call."""
-    per_stage: list = [None] * ranks.pp_size
-    dist.all_gather_object(per_stage, sorted(local), group=ranks.pp_group)
+    per_stage: list = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(per_stage, sorted(local), group=ps.get_pipeline_model_parallel_group())
     owner: dict[tuple[str, ...], int] = {}
     for stage, keys in enumerate(per_stage):
         for key in keys:
@@ -188,7 +193,8 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, t
     ``te_spec``: the chunks use the Transformer-Engine layer spec (norms fused into linear_qkv / linear_fc1).
     ``dst_rank``: ``None`` -> every model-parallel rank receives every tensor; a global rank -> only that rank.
     ``dtype``: cast to this dtype (``None``: keep the parameter dtype). See the module docstring for the order,
-    the memory bound and the aliasing rules. Collective: all model-parallel ranks must iterate to the end.
+    the memory bound and the aliasing rules. Collective: all model-parallel ranks must iterate to the end (every
+    rank, with experts split over expert-parallel ranks).
     """
     local = _local_mappings(chunks, arch, te_spec)
     params = [p for chunk in chunks for p in unwrap_model(chunk).parameters()]
@@ -198,35 +204,64 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, t
     out_dtype = dtype or params[0].dtype
     order = global_mappings(arch, te_spec)
     ps = _world_state()
-    if ps is not None and arch.moe is not None and (ps.get_expert_model_parallel_world_size() > 1
-                                                    or ps.get_expert_tensor_parallel_world_size() > 1):
-        raise MappingError("exporting a mixture-of-experts model from parallel.expert_parallel or "
-                           "expert_tensor_parallel > 1 is not supported yet")
     if ps is None or dist.get_world_size() == 1:
         yield from _single_process_weights(order, local, out_dtype)
         return
+    if arch.moe is not None and ps.get_expert_tensor_parallel_world_size() > 1:
+        raise MappingError("exporting a mixture-of-experts model at parallel.expert_tensor_parallel > 1 is not "
+                           "supported (experts are exported whole: expert tensor parallel 1)")
+    experts = expert_ranks(ps, arch.moe.num_experts, dst_rank) if arch.moe is not None else None
     ranks = _export_ranks(ps, dst_rank)
-    if ranks is None:
+    if ranks is None and experts is None:
         return  # another data-parallel replica delivers to dst_rank
-    owner = _stage_owners(local, ranks)
-    if dst_rank is not None:
+    owner = _stage_owners(local, ps)
+    if ranks is not None and dst_rank is not None:
         ranks = _with_destination(ps, ranks, dst_rank)
     for mapping in order:
         key = mapping.hf_names
-        if key not in owner:
-            raise MappingError(f"no pipeline stage holds a parameter for {', '.join(key)}")
-        stage = owner[key]
-        shapes = [tuple(s) for s in mapping.hf_shapes]
-        if len(shapes) != len(key):
-            raise MappingError(f"{mapping.megatron_name}: mapping carries no HF shapes")
-        tensors = _gather_tensor_parallel(*local[key], ranks, dst_rank, out_dtype) if ranks.pp_rank == stage else None
-        if ranks.pp_size > 1:
-            tensors = _across_stages(tensors, stage, shapes, ranks, dst_rank, out_dtype, device)
-        if dst_rank is None or ranks.rank == dst_rank:
-            for name, shape, tensor in zip(key, shapes, tensors):
-                if tuple(tensor.shape) != shape:
-                    raise MappingError(f"{name}: exported shape {tuple(tensor.shape)} differs from {shape}")
+        if experts is not None and mapping.expert:
+            tensors = _expert_tensors(mapping, local, owner, ranks, experts, out_dtype, device)
+        elif ranks is not None:
+            tensors = _tensors(mapping, local, owner, ranks, dst_rank, out_dtype, device)
+        else:
+            continue  # outside dst_rank's replica, only experts are sent from here
+        if dst_rank is None or (ranks is not None and ranks.rank == dst_rank):
+            for name, shape, tensor in zip(key, mapping.hf_shapes, tensors):
+                if tuple(tensor.shape) != tuple(shape):
+                    raise MappingError(f"{name}: exported shape {tuple(tensor.shape)} differs from {tuple(shape)}")
                 yield name, tensor
+
+
+def _tensors(mapping: ParamMapping, local: dict, owner: dict, ranks: _ExportRanks, dst_rank: int | None,
+             out_dtype: torch.dtype, device: torch.device) -> list[torch.Tensor] | None:
+    """A parameter of the receiving replica: its HF tensors gathered over TP on the owning stage, then carried to the
+    other stages (or dst's)."""
+    key = mapping.hf_names
+    if key not in owner:
+        raise MappingError(f"no pipeline stage holds a parameter for {', '.join(key)}")
+    stage = owner[key]
+    shapes = [tuple(s) for s in mapping.hf_shapes]
+    if len(shapes) != len(key):
+        raise MappingError(f"{mapping.megatron_name}: mapping carries no HF shapes")
+    tensors = _gather_tensor_parallel(*local[key], ranks, dst_rank, out_dtype) if ranks.pp_rank == stage else None
+    if ranks.pp_size > 1:
+        tensors = _across_stages(tensors, stage, shapes, ranks, dst_rank, out_dtype, device)
+    return tensors
+
+
+def _expert_tensors(mapping: ParamMapping, local: dict, owner: dict, ranks: _ExportRanks | None,
+                    experts: ExpertRanks, out_dtype: torch.dtype, device: torch.device) -> list[torch.Tensor] | None:
+    """An expert at expert parallel > 1: from the expert-parallel rank that holds it (:mod:`.export_experts`), then
+    (every rank receiving) over the pipeline group from the owning stage."""
+    router, _ = expert_of(mapping)
+    if router not in owner:
+        raise MappingError(f"no pipeline stage holds the router {router[0]} of {mapping.hf_names[0]}")
+    stage = owner[router]
+    tensors = expert_tensors(mapping, local.get(mapping.hf_names), stage, experts, out_dtype, device)
+    if experts.dst_rank is None and ranks.pp_size > 1:
+        tensors = _across_stages(tensors, stage, [tuple(s) for s in mapping.hf_shapes], ranks, None, out_dtype,
+                                 device)
+    return tensors
 
 
 def export_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike,

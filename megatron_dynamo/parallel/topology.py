@@ -83,14 +83,14 @@ def check_expert_layout(ranks: int, pipeline_parallel: int, expert_parallel: int
                   "groups")
 
 
-def check_experts(num_experts: int, expert_parallel: int) -> None:
+def check_experts(num_experts: int, expert_parallel: int, key: str = "parallel.expert_parallel") -> None:
     """A model's experts over ``expert_parallel`` ranks (``num_experts`` 0: a dense model): each rank holds the same
-    number of whole experts, and a dense model has none to split."""
+    number of whole experts, and a dense model has none to split. ``key``: how the message names the number (the
+    converter's ``--ep``)."""
     if expert_parallel > 1 and not num_experts:
-        raise ConfigError(f"parallel.expert_parallel: must be 1 for a dense model (no experts to split), "
-                          f"got {expert_parallel}")
+        raise ConfigError(f"{key}: must be 1 for a dense model (no experts to split), got {expert_parallel}")
     if num_experts:
-        check_divides(f"parallel.expert_parallel={expert_parallel}", expert_parallel,
+        check_divides(f"{key}={expert_parallel}", expert_parallel,
                       f"the model's {num_experts} experts", num_experts, "every expert rank holds as many experts")
 
 

@@ -140,7 +140,7 @@ def _write_state(tmp: Path, rank: int, step: int, chunks, optimizer, trainer_sta
     save_model_checkpoint(chunks, tmp)
     (tmp / "optimizer").mkdir(exist_ok=True) if rank == 0 else None
     dist.barrier()
-    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks))
+    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), metadata=OPTIMIZER_METADATA)
     dist_checkpointing.save({"optimizer": sharded}, str(tmp / "optimizer"))
     if rank == 0:
         if in_flight:
@@ -193,10 +193,75 @@ def load_checkpoint(path: str | os.PathLike, chunks, optimizer) -> dict[str, Any
     state = json.loads((path / STATE_FILE).read_text())
     load_model_checkpoint(chunks, path)
     if optimizer is not None:
-        sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True)
+        sharded = optimizer.sharded_state_dict(model_sharded_state_dict(chunks), is_loading=True,
+                                               metadata=OPTIMIZER_METADATA)
         with reading_checkpoint(path / "optimizer"):
-            loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))
-        optimizer.load_state_dict(loaded["optimizer"])
+            loaded = dist_checkpointing.load({"optimizer": sharded}, str(path / "optimizer"))["optimizer"]
+        if set(loaded) != set(sharded):  # saved at another expert-parallel size
+            loaded = _in_this_chaining(optimizer, sharded, loaded)
+        optimizer.load_state_dict(loaded)
+    return state
+
+
+# Megatron chains a second optimizer for the experts at expert parallel > 1 (one optimizer at 1) and by default
+# prefixes each one's tensor keys with its place in the chain ("chained_1.optimizer.state.exp_avg...."). Without the
+# prefix the keys are the parameters' own, the same at every expert-parallel size, so the state reshards. The
+# distributed optimizer's format is its per-parameter one: megatron-core 0.16.1's default (fully_sharded_model_space)
+# cannot be saved at all ("ShardedTensor.flattened_range is not supported").
+OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _torch_states(node):
+    """The torch optimizer state dicts (``state`` and ``param_groups``) inside a Megatron optimizer's state dict."""
+    if isinstance(node, dict):
+        if "state" in node and "param_groups" in node:
+            yield node
+        else:
+            for value in node.values():
+                yield from _torch_states(value)
+
+
+def _saved_steps(node):
+    """Every ``common_step`` (Megatron's one step of all parameters' Adam states) inside a loaded state dict."""
+    if isinstance(node, dict):
+        if "common_step" in node:
+            yield node["common_step"]
+        for value in node.values():
+            yield from _saved_steps(value)
+
+
+def _in_this_chaining(optimizer, sharded, loaded):
+    """The optimizer state of a checkpoint saved at another expert-parallel size, for this optimizer: dist
+    checkpointing loaded every state tensor into this optimizer's structure (``sharded``: a dict per chained
+    optimizer, or one), but the rest (parameter groups, the step) in the saved one. This optimizer's own parameter
+    groups, the loaded tensors, and the saved step (Adam's bias correction depends on it)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer])):
+        # Its step lives in its parameter groups, not carried over here: megatron-core 0.16.1 cannot load a
+        # distributed optimizer without CUDA (apex/TE), so no test here could show it right.
+        raise RuntimeError("resuming at another parallel.expert_parallel than the checkpoint's needs "
+                           "optim.use_distributed_optimizer: false")
+
+    def fill(node, got):
+        if isinstance(node, ShardedBase):
+            return got
+        if isinstance(node, LocalNonpersistentObject):
+            return node.unwrap()
+        if isinstance(node, dict):
+            return {k: fill(v, got.get(k) if isinstance(got, dict) else None) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v, got[i] if isinstance(got, list) and i < len(got) else None) for i, v in enumerate(node)]
+        return node
+
+    # The saved step sits in the saved structure (the only one the loaded dict holds a step in: this optimizer is
+    # fresh); the loaded dict also holds this optimizer's own parameter lists where its structure has them.
+    steps = list(_saved_steps(loaded))
+    state = fill(sharded, loaded)
+    for torch_state in _torch_states(state):
+        if steps:  # none when no update was ever taken
+            torch_state["state"]["common_step"] = steps[0]
     return state
 
 
