@@ -185,6 +185,7 @@ def test_convert_args_resolve_the_latest_training_checkpoint(tmp_path):
 
     args = convert_parser().parse_args(entry.convert_args("hf-to-megatron", "/hf", "/meg", 4, 2, dtype="bf16"))
     assert (args.hf, args.out, args.tp, args.pp, args.dtype) == ("/hf", "/meg", 4, 2, "bf16")
+    assert convert_parser().parse_args(entry.convert_args("hf-to-megatron", "/hf", "/meg", 1, 2, ep=8)).ep == 8
 
 
 # ------------------------------------------------------------------------------------------ nemo-run recipes
@@ -586,7 +587,7 @@ def _convert(slurm, **extra: str) -> subprocess.CompletedProcess:
 
 
 def test_convert_sbatch_both_directions(slurm, tmp_path):
-    proc = _convert(slurm, DIRECTION="hf-to-megatron", SRC="/m/Qwen3-14B", OUT="/m/q-meg", TP="4", PP="2",
+    proc = _convert(slurm, DIRECTION="hf-to-megatron", SRC="/m/Qwen3-14B", OUT="/m/q-meg", TP="4", PP="2", EP="2",
                     CONTAINER_IMAGE="img")
     assert proc.returncode == 0, proc.stderr
     ckpts = tmp_path / "checkpoints"
@@ -602,7 +603,7 @@ def test_convert_sbatch_both_directions(slurm, tmp_path):
     i = to_meg.index("checkpoints_convert")
     assert to_meg[i - 2:i] == ["python", "-m"] and "--container-image=img" in to_meg
     a = convert_parser().parse_args(to_meg[i + 1:])
-    assert (a.hf, a.out, a.tp, a.pp) == ("/m/Qwen3-14B", "/m/q-meg", 4, 2)
+    assert (a.hf, a.out, a.tp, a.pp, a.ep) == ("/m/Qwen3-14B", "/m/q-meg", 4, 2, 2)
     b = convert_parser().parse_args(to_hf[to_hf.index("checkpoints_convert") + 1:])
     assert (b.megatron, b.out, b.tokenizer, b.force) == (str(ckpts / "step_000200"), "/r/hf", "/m/Qwen3-14B", True)
     assert to_hf[to_hf.index("checkpoints_convert") + 1:] == entry.convert_args(

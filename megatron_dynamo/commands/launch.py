@@ -125,7 +125,7 @@ def _list() -> int:
         print(f"{recipe.name:24s} {recipe.nodes} x {recipe.gpus_per_node} GPUs  {recipe.description}  "
               f"[{recipe.config}]")
     for name, direction in CONVERSIONS.items():
-        print(f"{name:24s} 1 node, CPU       python -m checkpoints_convert {direction} (src= out= tp= pp=)")
+        print(f"{name:24s} 1 node, CPU       python -m checkpoints_convert {direction} (src= out= tp= pp= ep=)")
     return 0
 
 

@@ -59,9 +59,10 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def convert_args(direction: str, src: str, out: str, tp: int = 1, pp: int = 1, tokenizer: str | None = None,
-                 dtype: str | None = None, force: bool = False) -> list[str]:
+                 dtype: str | None = None, force: bool = False, ep: int = 1) -> list[str]:
     """``python -m checkpoints_convert`` arguments. hf-to-megatron: ``src`` is the HF directory; megatron-to-hf:
-    a Megatron checkpoint, a training ``step_N`` directory, or a ``checkpoints`` directory (its latest step)."""
+    a Megatron checkpoint, a training ``step_N`` directory, or a ``checkpoints`` directory (its latest step).
+    ``ep``: the experts' split while converting a mixture-of-experts model (``--ep``; 1 is left out)."""
     if direction == "hf-to-megatron":
         args = [direction, "--hf", src, "--out", out]
     elif direction == "megatron-to-hf":
@@ -70,7 +71,7 @@ def convert_args(direction: str, src: str, out: str, tp: int = 1, pp: int = 1, t
             args += ["--tokenizer", tokenizer]
     else:
         raise ValueError(f"direction must be hf-to-megatron or megatron-to-hf, got {direction!r}")
-    args += ["--tp", str(tp), "--pp", str(pp)]
+    args += ["--tp", str(tp), "--pp", str(pp)] + (["--ep", str(ep)] if ep != 1 else [])
     if dtype:
         args += ["--dtype", dtype]
     if force:
@@ -79,10 +80,10 @@ def convert_args(direction: str, src: str, out: str, tp: int = 1, pp: int = 1, t
 
 
 def convert(direction: str, src: str, out: str, tp: int = 1, pp: int = 1, tokenizer: str | None = None,
-            dtype: str | None = None, force: bool = False) -> None:
+            dtype: str | None = None, force: bool = False, ep: int = 1) -> None:
     """Run the checkpoint converter as its own process: ``python -m checkpoints_convert`` hides the GPUs before
     torch is imported and spawns its tp x pp CPU workers itself."""
-    args = convert_args(direction, src, out, tp, pp, tokenizer, dtype, force)
+    args = convert_args(direction, src, out, tp, pp, tokenizer, dtype, force, ep)
     print("dynamo launch: python -m checkpoints_convert " + " ".join(args), flush=True)
     code = subprocess.run([sys.executable, "-m", "checkpoints_convert", *args], check=False).returncode
     if code > 0:  # the converter's own error (its line is above): the same input fails again
