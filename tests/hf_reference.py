@@ -35,6 +35,19 @@ def hf_model(config: str | dict, seed: int = 0, dtype=torch.float32, **overrides
     return model.eval()
 
 
+ROUTER_SCALE = 30.0  # HF draws router weights with std 0.02: near-uniform routing; scaled, it is decisive
+
+
+def decisive_moe_model(config: str, seed: int = 0):
+    """The HF MoE model of ``config`` (random weights, float32) with its routers scaled by :data:`ROUTER_SCALE`."""
+    model = hf_model(config, seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(ROUTER_SCALE)
+    return model
+
+
 def hf_state_dict(config: str | dict, seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
     model = hf_model(config, seed, **overrides)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

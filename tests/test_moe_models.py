@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_reference import (REPO, TINY_QWEN2_MOE, TINY_QWEN3_MOE, hf_checkpoint_state_dict, hf_model,
+from hf_reference import (REPO, TINY_QWEN2_MOE, TINY_QWEN3_MOE, decisive_moe_model, hf_checkpoint_state_dict,
                           read_hf_checkpoint)
 from megatron_dynamo.config import ConfigError
 from megatron_dynamo.models.qwen import (MoEArchitecture, MoEConfig, UnsupportedModelConfig, load_hf_config,
@@ -23,19 +23,6 @@ from multiproc import run_on_ranks
 
 CPU_DEFAULT = f"{REPO}/configs/cpu_default.yaml"
 SEQ = 12
-ROUTER_SCALE = 30.0  # HF draws router weights with std 0.02: near-uniform routing; scaled, it is decisive
-
-
-def reference_model(config: str):
-    """The HF model of ``config`` (random weights, float32) with decisive routers."""
-    model = hf_model(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.mul_(ROUTER_SCALE)
-    return model
-
-
 def input_ids(rank: int = 0) -> torch.Tensor:
     return torch.randint(1, 128, (2, SEQ), generator=torch.Generator().manual_seed(100 + rank))
 
@@ -226,7 +213,7 @@ def _logits_worker(rank, world_size, config, expert_parallel, checkpoint_dir):
 
 def _hf_checkpoint_and_logits(config: str, directory, ranks: int = 1) -> list[torch.Tensor]:
     """Write the reference model's checkpoint into ``directory``; its logits on each rank's input."""
-    model = reference_model(config)
+    model = decisive_moe_model(config)
     hf_checkpoint_state_dict(model, directory)
     with torch.no_grad():
         return [model(input_ids=input_ids(rank)).logits for rank in range(ranks)]

