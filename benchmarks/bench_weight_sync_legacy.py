@@ -66,12 +66,12 @@ class LegacyRPCExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from megatron_dynamo.rollout.vllm_engine import quiet_reload_records_of_buffer_only_layers
+        from megatron_dynamo.rollout.vllm_reload import quiet_reload_records_of_tensorless_layers
 
         model = self.model_runner.model
         if not hasattr(self, "_bench_device"):  # during a reload incomplete layers sit on the meta device
             self._bench_device = next(model.parameters()).device
-            quiet_reload_records_of_buffer_only_layers(model)  # as the old worker did
+            quiet_reload_records_of_tensorless_layers(model)  # as the old worker did
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         return True

@@ -1,7 +1,7 @@
 """Small random training samples shared by the tests that run the real actor (one helper instead of a copy per
 test file): six responses of growing length over three prompts, rewards 0/1, advantages 1, 0.5, ..., -1.5; and
 their micro-batches with old log-probs, ready for an update. Also the periodic-evaluation overrides the end-to-end
-training tests share."""
+training tests share, and the engine-vs-Megatron log-prob comparison of the weight-sync tests."""
 
 import json
 import os
@@ -56,3 +56,49 @@ def micro_batches_with_old_logp(run, actor, samples, last_stage: bool = True):
     for mb in micro:
         mb.old_logp = token_values(mb, old if last_stage else None)
     return updater, micro, stats, old
+
+
+#: How far the engine's log-probs may lie from the Megatron actor's on the same weights (float32 on CPU), dense or
+#: mixture of experts (tests/test_rollout.py, tests/test_moe_rollout.py).
+LOGPROB_TOL = 1e-4
+
+
+def megatron_logprobs(actor, responses) -> list[torch.Tensor]:
+    """Teacher-forced log pi(response token | prefix) from the Megatron model (TP=1: full vocabulary)."""
+    seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in responses]
+    input_ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, :len(s)] = torch.tensor(s)
+
+    def loss_fn(logits, mb):
+        return logits.sum() * 0.0, {"logp": torch.log_softmax(logits.float(), dim=-1).detach()}
+
+    (result,) = actor.forward_backward([{"input_ids": input_ids}], loss_fn, forward_only=True)
+    logp = result["logp"]
+    out = []
+    for i, r in enumerate(responses):
+        p = len(r.prompt_token_ids)
+        positions = torch.arange(p - 1, p - 1 + len(r.token_ids))
+        out.append(logp[i, positions, torch.tensor(r.token_ids)])
+    return out
+
+
+def max_logprob_error(actor, responses) -> float:
+    """The largest |engine log-prob - Megatron log-prob| over the tokens of ``responses``."""
+    reference = megatron_logprobs(actor, responses)
+    return max(float((ref - torch.tensor(r.logprobs, dtype=torch.float32)).abs().max())
+               for ref, r in zip(reference, responses))
+
+
+def train_metrics(output_dir, *args: str, timeout: int = 900) -> list[dict]:
+    """``dynamo train <args> trainer.output_dir=<output_dir>`` in a child process (must succeed) and the rows of
+    its metrics.jsonl."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "megatron_dynamo.cli", "train", *args, f"trainer.output_dir={output_dir}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

@@ -3,17 +3,14 @@ old_policy``, from the old-log-prob pass) and the exact two-pass form (``current
 the current weights). Before the first update they must agree exactly, with the real Megatron actor; after it they
 differ, and the trainer reports by how much."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hf_reference import REPO, TINY_QWEN2, hf_state_dict
 from multiproc import run_on_ranks
-from samples import random_samples
+from samples import random_samples, train_metrics
 
 CPU_DEFAULT = os.path.join(REPO, "configs", "cpu_default.yaml")
 
@@ -104,15 +101,11 @@ def test_one_pass_scope_is_exact_before_the_first_update_and_not_after(output):
 
 
 def _train(output_dir, *extra):
-    cmd = [sys.executable, "-m", "megatron_dynamo.cli", "train", CPU_DEFAULT, f"trainer.output_dir={output_dir}",
-           "trainer.sft_warmup_steps=30", "data.prompts_per_step=8", "trainer.mini_batch_prompts=4",
-           "dynamo.allocation.n_avg=4", "dynamo.allocation.n_min=2", "dynamo.allocation.n_max=6",
-           "data.synthetic_problems=16", "trainer.steps=1", "checkpoint.every=1", "logging.tensorboard=false",
-           "logging.plot=false", "logging.progress=false", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return train_metrics(output_dir, CPU_DEFAULT, "trainer.sft_warmup_steps=30", "data.prompts_per_step=8",
+                         "trainer.mini_batch_prompts=4", "dynamo.allocation.n_avg=4", "dynamo.allocation.n_min=2",
+                         "dynamo.allocation.n_max=6", "data.synthetic_problems=16", "trainer.steps=1",
+                         "checkpoint.every=1", "logging.tensorboard=false", "logging.plot=false",
+                         "logging.progress=false", *extra, timeout=600)
 
 
 @pytest.mark.slow

@@ -30,7 +30,10 @@ def _batch(step=3, version=1) -> RolloutBatch:
     responses = ScoredResponses(prompt_index=[0, 0, 1, 2], sample_index=[0, 1, 0, 0],
                                 token_ids=[(5, 6, 7), (8,), (), (9, 10)], truncated=[False, True, False, False],
                                 rewards=[1.0, 0.0, 0.0, 1.0],
-                                logprobs=[(-0.5, -1.25, -2.0), (-0.125,), (), None])
+                                logprobs=[(-0.5, -1.25, -2.0), (-0.125,), (), None],
+                                routed_experts=[torch.arange(24, dtype=torch.int16).reshape(4, 3, 2), None,
+                                                torch.zeros(0, 3, 2, dtype=torch.int16),
+                                                -torch.arange(30, dtype=torch.int16).reshape(5, 3, 2)])
     return RolloutBatch(step=step, version=version, example_indices=[7, 2, 11], prompt_tokens=[(1, 2), (3,), (4, 4, 4)],
                         counts=[2, 1, 1], variance_ratio=0.875, responses=responses,
                         history_index=[7, 7, 2, 11, 5, 5], history_correct=[1, 0, 0, 1, 1, 1], history_updates=[4, 2],
@@ -48,6 +51,9 @@ def _same(a: RolloutBatch, b: RolloutBatch) -> None:
     assert b.history_rounds() == [([7, 7, 2, 11], [1, 0, 0, 1]), ([5, 5], [1, 1])]
     for name in ("prompt_index", "sample_index", "token_ids", "truncated", "rewards"):
         assert getattr(a.responses, name) == getattr(b.responses, name), name
+    # routed experts travel as int16, exactly (none stays none)
+    for x, y in zip(a.responses.routed_experts, b.responses.routed_experts):
+        assert (x is None and y is None) or (y.dtype == torch.int16 and torch.equal(x, y))
     # log-probs travel as float64 (exact); a response without them comes back as NaN, one per token
     for x, y in zip(a.responses.logprobs, b.responses.logprobs):
         if x is None:

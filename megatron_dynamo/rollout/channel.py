@@ -30,7 +30,8 @@ BATCH, EVAL, DONE, ERROR, INIT, WEIGHTS, STOP, TENSOR, END, READY = range(1, 11)
 KIND_NAMES = {BATCH: "BATCH", EVAL: "EVAL", DONE: "DONE", ERROR: "ERROR", INIT: "INIT", WEIGHTS: "WEIGHTS",
               STOP: "STOP", TENSOR: "TENSOR", END: "END", READY: "READY"}
 HEADER_SIZE = 40
-DTYPES = (torch.int64, torch.float64, torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.int32)
+DTYPES = (torch.int64, torch.float64, torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.int32,
+          torch.int16)
 CODE_OF = {dtype: code for code, dtype in enumerate(DTYPES)}
 
 
@@ -63,7 +64,7 @@ def send(bridge: BridgeGroup, kind: int, ints: Iterable[int] = (), tensors: Iter
     bridge.broadcast(header)
     for tensor in tensors:
         if tensor.numel():  # gloo refuses empty tensors; the receiver knows the size from the header
-            bridge.broadcast(tensor.to(bridge.device).contiguous())
+            bridge.broadcast(_as_bytes(tensor.to(bridge.device).contiguous()))
 
 
 def receive(bridge: BridgeGroup) -> Message:
@@ -78,9 +79,15 @@ def receive(bridge: BridgeGroup) -> Message:
     for code, numel in zip(specs[0::2], specs[1::2]):
         tensor = torch.empty(numel, dtype=DTYPES[code], device=bridge.device)
         if numel:
-            bridge.broadcast(tensor)
+            bridge.broadcast(_as_bytes(tensor))  # fills ``tensor``: the bytes are a view of it
         tensors.append(tensor)
     return Message(kind, ints, tensors)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """What a broadcast carries: the tensor, or its bytes for a dtype gloo cannot broadcast (int16: routed
+    experts)."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.int16 else tensor
 
 
 def json_tensor(value: Any) -> torch.Tensor:
@@ -123,10 +130,7 @@ def receive_from_engines(bridge: BridgeGroup, expected: int) -> Message:
 
 
 def batch_of(message: Message) -> RolloutBatch:
-    meta_index = TENSOR_NAMES.index("meta")
-    tensors = dict(zip(TENSOR_NAMES, message.tensors))
-    tensors["meta"] = message.tensors[meta_index].reshape(-1, 4)
-    return RolloutBatch.from_tensors(tensors)
+    return RolloutBatch.from_tensors(dict(zip(TENSOR_NAMES, message.tensors)))
 
 
 # ---------------------------------------------------------------------------------------------- control

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -54,7 +54,9 @@ class SamplingConfig:
     ``top_k``: 0 or -1 disables it. ``stop_token_ids``: extra ids that end a response (the tokenizer's EOS always
     does unless ``ignore_eos``); the stopping id is part of the response's ``token_ids``.
     ``logprobs``: return the engine's log-prob of each sampled token (of the distribution actually sampled from:
-    after temperature and top-p/top-k). ``detokenize``: also return the response text.
+    after temperature and top-p/top-k). ``detokenize``: also return the response text. ``routed_experts``: return
+    the experts the engine's routers chose for every token (mixture-of-experts models only, for routing replay;
+    ``GenerationResponse.routed_experts``); off, nothing is recorded.
     """
 
     temperature: float = 1.0
@@ -67,6 +69,7 @@ class SamplingConfig:
     ignore_eos: bool = False
     logprobs: bool = True
     detokenize: bool = True
+    routed_experts: bool = False
 
     def validate(self) -> "SamplingConfig":
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -137,6 +140,12 @@ class GenerationResponse:
     ``token_ids``: the generated ids (a stop/EOS id that ended the response included). ``logprobs``: the engine's
     log-prob of each of them (``None`` when not requested). ``finish_reason``: ``"stop"`` (EOS or a stop id) or
     ``"length"`` (cut at ``max_tokens`` or the context length: a truncated response).
+
+    ``routed_experts`` (``SamplingConfig.routed_experts``, else ``None``): int16 ``[len(prompt_token_ids) +
+    len(token_ids) - 1, MoE layers, top_k]``, the experts the engine's routers chose for every token it ran through
+    the model, in sequence order: each prompt token, then each response token but the last (sampled, never fed
+    back); row ``t`` is the token at position ``t`` of prompt + response, whose output predicts token ``t + 1``.
+    MoE layers in model order (dense layers left out), each row's experts in the router's order.
     """
 
     prompt_id: str
@@ -147,6 +156,7 @@ class GenerationResponse:
     finish_reason: FinishReason
     text: str | None = None
     seed: int | None = None
+    routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def truncated(self) -> bool:
@@ -187,6 +197,11 @@ def check_responses(requests: Sequence[GenerationRequest], responses: Sequence[G
             if response.logprobs is not None and len(response.logprobs) != len(response.token_ids):
                 raise RuntimeError(f"response {position} of {request.prompt_id!r}: {len(response.logprobs)} "
                                    f"log-probs for {len(response.token_ids)} tokens")
+            routed = response.routed_experts
+            rows = len(response.prompt_token_ids) + len(response.token_ids) - 1
+            if routed is not None and (routed.dtype != torch.int16 or routed.dim() != 3 or routed.shape[0] != rows):
+                raise RuntimeError(f"response {position} of {request.prompt_id!r}: routed experts of "
+                                   f"{routed.dtype} {tuple(routed.shape)}, expected int16 [{rows}, layers, top_k]")
             position += 1
     if position != len(responses):
         raise RuntimeError(f"engine returned {len(responses)} responses; requests ask for {position}")

