@@ -54,7 +54,8 @@ class SamplingConfig:
     ``top_k``: 0 or -1 disables it. ``stop_token_ids``: extra ids that end a response (the tokenizer's EOS always
     does unless ``ignore_eos``); the stopping id is part of the response's ``token_ids``.
     ``logprobs``: return the engine's log-prob of each sampled token (of the distribution actually sampled from:
-    after temperature and top-p/top-k). ``detokenize``: also return the response text.
+    after temperature and top-p/top-k). ``detokenize``: also return the response text. ``routed_experts``: return
+    the experts a mixture-of-experts model routed each token to (``GenerationResponse.routed_experts``).
     """
 
     temperature: float = 1.0
@@ -67,6 +68,7 @@ class SamplingConfig:
     ignore_eos: bool = False
     logprobs: bool = True
     detokenize: bool = True
+    routed_experts: bool = False
 
     def validate(self) -> "SamplingConfig":
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -136,7 +138,10 @@ class GenerationResponse:
 
     ``token_ids``: the generated ids (a stop/EOS id that ended the response included). ``logprobs``: the engine's
     log-prob of each of them (``None`` when not requested). ``finish_reason``: ``"stop"`` (EOS or a stop id) or
-    ``"length"`` (cut at ``max_tokens`` or the context length: a truncated response).
+    ``"length"`` (cut at ``max_tokens`` or the context length: a truncated response). ``routed_experts`` (a
+    mixture-of-experts model, when ``SamplingConfig.routed_experts``): int16 [len(prompt_token_ids) +
+    len(token_ids) - 1, MoE layers, top-k], the experts of every prompt token, then of each response token but the
+    last (the tokens the model read), MoE layers in model order (dense layers skipped).
     """
 
     prompt_id: str
@@ -147,6 +152,7 @@ class GenerationResponse:
     finish_reason: FinishReason
     text: str | None = None
     seed: int | None = None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def truncated(self) -> bool:
