@@ -4,7 +4,8 @@ After generation each engine leader holds the responses of the prompts assigned 
 :func:`gather_rollout` packs them into three tensors per leader (integers per response: prompt index, sample index,
 length, truncated; the token ids back to back; the rewards) and all-gathers them over the default group (other
 ranks contribute empty tensors), and the engine's log-prob of every sampled token the same way (float64, NaN where
-the engine gave none), for the trainer's engine-vs-trainer gap metrics and ``dynamo.loss.engine_is``. Every rank then holds the whole step's rollout in one canonical order, prompt order
+the engine gave none), for the trainer's engine-vs-trainer gap metrics and ``dynamo.loss.engine_is``, and, where the engines returned them,
+each response's routed experts (a mixture-of-experts model's ``moe.routing_replay: rollout``). Every rank then holds the whole step's rollout in one canonical order, prompt order
 then sample index: the order a single engine produces. Prompt ids and prompt tokens never travel: every rank has
 the step's prompts (same sampler, same tokenizer) and refers to them by index.
 """
@@ -33,6 +34,8 @@ class ScoredResponses:
     truncated: list[bool] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     logprobs: list[tuple[float, ...] | None] = field(default_factory=list)  # the engine's; empty: none at all
+    # the engine's experts of each response's input tokens (GenerationResponse.routed_experts); empty: none at all
+    routed_experts: list[torch.Tensor | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_index)
@@ -82,9 +85,40 @@ class ScoredResponses:
         """In canonical order: prompt index, then sample index."""
         order = sorted(range(len(self)), key=lambda i: (self.prompt_index[i], self.sample_index[i]))
         logprobs = self.logprobs or [None] * len(self)
+        routed = [self.routed_experts[i] for i in order] if self.routed_experts else []
         return ScoredResponses(*([getattr(self, name)[i] for i in order] for name in
                                  ("prompt_index", "sample_index", "token_ids", "truncated", "rewards")),
-                               [logprobs[i] for i in order])
+                               [logprobs[i] for i in order], routed)
+
+
+def pack_routed_experts(values: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Responses' routed experts as one int32 tensor: per response its shape (rows, layers, k; 0, 0, 0 without
+    any), then its experts. Empty when none has any."""
+    if all(v is None for v in values):
+        return torch.zeros(0, dtype=torch.int32)
+    parts = []
+    for v in values:
+        shape = tuple(v.shape) if v is not None else (0, 0, 0)
+        parts.append(torch.tensor(shape, dtype=torch.int32))
+        if v is not None:
+            parts.append(v.reshape(-1).to(torch.int32))
+    return torch.cat(parts)
+
+
+def unpack_routed_experts(flat: torch.Tensor, count: int) -> list[torch.Tensor | None]:
+    """Inverse of :func:`pack_routed_experts` for ``count`` responses (int16 experts); [] from an empty tensor."""
+    if not flat.numel():
+        return []
+    out, offset = [], 0
+    for _ in range(count):
+        rows, layers, k = flat[offset:offset + 3].tolist()
+        offset += 3
+        size = rows * layers * k
+        out.append(flat[offset:offset + size].reshape(rows, layers, k).to(torch.int16) if size else None)
+        offset += size
+    if offset != flat.numel():
+        raise RuntimeError(f"packed routed experts: {flat.numel()} values, {offset} read for {count} responses")
+    return out
 
 
 def _all_gather_padded(tensor: torch.Tensor, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
@@ -102,10 +136,13 @@ def gather_rollout(local: ScoredResponses | None) -> ScoredResponses:
     engine leaders) to every rank, merged in canonical order. Raises if two shares hold the same response."""
     local = local or ScoredResponses()
     meta, tokens, rewards, logprobs = local.pack()
+    routed = pack_routed_experts(local.routed_experts)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ScoredResponses.unpack(meta, tokens, rewards, logprobs).sorted()
+        merged = ScoredResponses.unpack(meta, tokens, rewards, logprobs)
+        merged.routed_experts = unpack_routed_experts(routed, len(merged))
+        return merged.sorted()
     device = collective_device()
-    counts = torch.tensor([meta.shape[0], tokens.shape[0]], dtype=torch.int64, device=device)
+    counts = torch.tensor([meta.shape[0], tokens.shape[0], routed.numel()], dtype=torch.int64, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
     dist.all_gather(all_counts, counts)
     responses = [int(c[0]) for c in all_counts]
@@ -115,7 +152,13 @@ def gather_rollout(local: ScoredResponses | None) -> ScoredResponses:
     reward_parts = _all_gather_padded(rewards, responses, device)
     logprob_parts = _all_gather_padded(logprobs, token_counts, device)
     merged = ScoredResponses.unpack(torch.cat(metas), torch.cat(token_parts), torch.cat(reward_parts),
-                                    torch.cat(logprob_parts)).sorted()
+                                    torch.cat(logprob_parts))
+    routed_counts = [int(c[2]) for c in all_counts]
+    if any(routed_counts):  # the engines returned routed experts (SamplingConfig.routed_experts)
+        parts = _all_gather_padded(routed, routed_counts, device)
+        merged.routed_experts = [v for part, n in zip(parts, responses) if n
+                                 for v in (unpack_routed_experts(part, n) or [None] * n)]
+    merged = merged.sorted()
     keys = list(zip(merged.prompt_index, merged.sample_index))
     if len(set(keys)) != len(keys):
         raise RuntimeError("gather_rollout: two engines returned the same (prompt, sample) response")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_dynamo.rollout.exchange import ScoredResponses
+from megatron_dynamo.rollout.exchange import ScoredResponses, pack_routed_experts, unpack_routed_experts
 
 
 @dataclass
@@ -37,7 +37,8 @@ class RolloutBatch:
     state after drawing this batch's prompts; ``rollouts`` / ``reward_mean``: the responses generated for the step
     and their mean reward (with dynamic sampling every round's, dropped groups included; None: those of
     ``counts`` and ``responses``); ``metrics``: what the rollout stage measured (reward statistics, stage seconds
-    ``time/<stage>``); ``stop_signal``: the stop signal a rank that generated it received (0: none)."""
+    ``time/<stage>``); the responses' routed experts, where the engines returned them, travel with them
+    (``ScoredResponses.routed_experts``); ``stop_signal``: the stop signal a rank that generated it received (0: none)."""
 
     step: int
     version: int
@@ -95,7 +96,8 @@ class RolloutBatch:
                   "metrics": self.metrics, "stop_signal": self.stop_signal}
         return {"meta": meta, "tokens": tokens, "rewards": rewards, "logprobs": logprobs,
                 "prompt_tokens": torch.tensor(flat_prompts, dtype=torch.int64),
-                "header": text_tensor(json.dumps(header))}
+                "header": text_tensor(json.dumps(header)),
+                "routed_experts": pack_routed_experts(self.responses.routed_experts)}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "RolloutBatch":
@@ -108,6 +110,9 @@ class RolloutBatch:
             raise ValueError(f"rollout batch: {len(flat)} prompt tokens for lengths summing to {offset}")
         responses = ScoredResponses.unpack(tensors["meta"], tensors["tokens"], tensors["rewards"],
                                            tensors["logprobs"])
+        # (a batch saved before routed experts travelled has none)
+        responses.routed_experts = unpack_routed_experts(
+            tensors.get("routed_experts", torch.zeros(0, dtype=torch.int32)), len(responses))
         return cls(step=int(header["step"]), version=int(header["version"]),
                    example_indices=[int(i) for i in header["example_indices"]], prompt_tokens=prompt_tokens,
                    counts=[int(c) for c in header["counts"]], variance_ratio=float(header["variance_ratio"]),
@@ -119,7 +124,7 @@ class RolloutBatch:
 
 
 #: The tensors of a batch, in the order they travel.
-TENSOR_NAMES = ("header", "meta", "tokens", "rewards", "logprobs", "prompt_tokens")
+TENSOR_NAMES = ("header", "meta", "tokens", "rewards", "logprobs", "prompt_tokens", "routed_experts")
 
 
 def text_tensor(text: str) -> torch.Tensor:

@@ -120,7 +120,7 @@ class RolloutProducer:
                 local = ScoredResponses([index_of[r.prompt_id] for r in responses],
                                         [r.sample_index for r in responses], [r.token_ids for r in responses],
                                         [r.truncated for r in responses], [float(x) for x in scored.rewards],
-                                        [r.logprobs for r in responses])
+                                        [r.logprobs for r in responses], [r.routed_experts for r in responses])
                 stats = scored.stats
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
             failure = f"{type(exc).__name__}: {exc}"
