@@ -160,6 +160,63 @@ def test_replay_reproduces_the_recorded_forward_and_keeps_the_router_gradient(ch
     assert min(changed) > 1e-2
 
 
+def _rollout_replay_worker(rank, world_size, checkpoint):
+    """``moe.routing_replay: rollout`` through the update: the experts Megatron records (RECORD) stand in for the
+    engine's, cut per response as GenerationResponse.routed_experts holds them; then other experts."""
+    from megatron_dynamo.models.moe_routing import RoutingPass
+    from megatron_dynamo.trainer.config import load_run_config
+    from megatron_dynamo.trainer.step import StageTimer
+    from megatron_dynamo.trainer.update import PolicyUpdater
+
+    actor = _actor(checkpoint, "rollout")
+    updater = PolicyUpdater(load_run_config(CPU_DEFAULT, ["moe.routing_replay=rollout", "trainer.micro_batch_size=2"]),
+                            actor, 0)
+    batch = samples()
+    micro = updater.micro_batches_for(batch)
+    recording = RoutingPass(record=True)
+    out = {"free": updater.forward_token_stats(micro)}  # the router's own choice
+    actor.forward_backward(micro, _logp_loss(1.0, []), forward_only=True, routing=recording)
+    engine = [None] * len(batch)  # [prompt + response - 1, MoE layers, k] per response
+    for index, mb in enumerate(micro):
+        for row, sample in enumerate(mb.sample_index.tolist()):
+            if sample >= 0:
+                s = batch[sample]
+                engine[sample] = recording.recorded[index][row, :len(s.prompt_tokens) + len(s.response_tokens) - 1]
+    for name, experts in (("same", engine), ("other", [(e + 1) % EXPERTS for e in engine])):
+        for s, e in zip(batch, experts):
+            s.routed_experts = e
+        micro = updater.micro_batches_for(batch)
+        mlp, seen = _layer_io(actor, 1)
+        out[name] = updater.forward_token_stats(micro)
+        mlp._forward_hooks.clear()
+        layer = []
+        for (hidden, got), mb in zip(seen, micro):  # real tokens only: padding rows carry no experts (-1)
+            tokens = mb.routed_experts[:, :, 0].transpose(0, 1).reshape(-1, TOP_K)  # the router's order
+            real = (tokens >= 0).all(-1)
+            expected = _expert_layer_output(mlp, hidden, tokens.clamp(min=0)).reshape(-1, hidden.shape[-1])
+            layer.append(float((got.reshape(-1, got.shape[-1]).double() - expected)[real].abs().max()))
+        out[f"{name}_layer_error"] = max(layer)
+        out[f"{name}_metrics"] = updater.update(batch, [s.prompt_id for s in batch], StageTimer(), 1)
+    return out
+
+
+@pytest.mark.distributed
+def test_rollout_replay_uses_the_engines_experts(checkpoint):
+    (result,) = run_on_ranks(_rollout_replay_worker, 1, checkpoint)
+    # The old-log-prob pass over the engine's experts = the one routing for itself. Not bit for bit: the padding
+    # positions of a micro-batch have no engine experts and go to experts 0..k-1 instead of the router's choice,
+    # which changes the row counts of the experts' GEMMs (float32 rounding of other rows: measured 4.8e-7; 0 without padding).
+    for index in range(4):
+        for stat in ("logp", "entropy"):
+            assert (result["same"][index][stat] - result["free"][index][stat]).abs().max() <= 2e-6
+    # Other experts: other log-probs, and the first MoE layer computes what sending each token to them gives.
+    assert max((result["other"][i]["logp"] - result["same"][i]["logp"]).abs().max() for i in range(4)) > 1e-2
+    assert result["same_layer_error"] < 1e-5 and result["other_layer_error"] < 1e-5
+    # The update's forward runs on the weights that chose the "engine's" experts: its router agrees with all.
+    assert result["same_metrics"]["moe/routing_agreement"] == 1.0
+    assert result["other_metrics"]["moe/routing_agreement"] < 0.7
+
+
 def _cpu_recompute() -> None:
     """Megatron's activation checkpointing saves and restores the CUDA generator's state around the recomputed
     forward; without CUDA (gloo) the CPU generator's stands in. The models have no dropout: no state is drawn."""
