@@ -69,6 +69,7 @@ def choices() -> dict[str, tuple]:
     from megatron_dynamo.algorithms.losses import registered_policy_losses
     from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
     from megatron_dynamo.data.templates import list_templates
+    from megatron_dynamo.models.qwen_moe import ROUTING_REPLAY
     from megatron_dynamo.parallel.topology import PLACEMENTS
     from megatron_dynamo.rollout.interface import registered_engines
     from megatron_dynamo.trainer.config import DTYPES, PACK_SEQUENCES
@@ -83,7 +84,7 @@ def choices() -> dict[str, tuple]:
             "dynamo.loss.engine_is": ENGINE_IS_MODES, "dynamo.loss.prompt_weight": PROMPT_WEIGHTS,
             "dynamo.modulation.delta_h": DELTA_H_MODES,
             "dynamo.modulation.scope": SCOPE_SOURCES, "trainer.pack_sequences": PACK_SEQUENCES,
-            "logging.wandb.mode": WANDB_MODES}
+            "logging.wandb.mode": WANDB_MODES, "moe.routing_replay": ROUTING_REPLAY}
 
 
 def _yaml(value) -> str:

@@ -176,7 +176,8 @@ def _documented_metrics() -> dict[str, str]:
 
 
 def _key_regex(pattern: str):
-    return re.compile(re.escape(pattern).replace("<benchmark>", "[^/]+").replace("<k>", r"\d+"))
+    return re.compile(re.escape(pattern).replace("<benchmark>", "[^/]+").replace("<k>", r"\d+")
+                      .replace("<layer>", r"\d+"))
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence, get_args
 import torch
 
 from megatron_dynamo.models.mappings import load_hf_weights, unwrap_model
+from megatron_dynamo.models.moe_routing import MoERouting, RoutingPass
 from megatron_dynamo.models.qwen import (QwenArchitecture, build_gpt_model, load_hf_config, parse_qwen_config,
                                          te_available)
 from megatron_dynamo.parallel.runtime import current_device
@@ -137,15 +138,21 @@ class MegatronModel:
         self.use_te = te_available() if use_te is None else use_te
         if hf_weights is not None:
             load_hf_weights(self.chunks, self.arch, hf_weights, te_spec=self.use_te)
+        self.moe_routing = MoERouting(self.chunks) if self.arch.moe is not None else None
 
     # ------------------------------------------------------------------ compute
     def forward_backward(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
-                         forward_only: bool = False, output: ModelOutput = "fp32_logits") -> list[dict[str, Any]]:
+                         forward_only: bool = False, output: ModelOutput = "fp32_logits",
+                         routing: RoutingPass | None = None) -> list[dict[str, Any]]:
         """Run all micro-batches through the pipeline schedule; return, on the last pipeline stage, each
         micro-batch's metrics dict from ``loss_fn`` (an empty list on other stages). Gradients accumulate in
         the DDP buffers when the chunks are wrapped for training (``trainer.actor.MegatronActor``: call its
         ``optimizer_step`` after the last micro-batch of a mini-batch). ``output`` is what
-        ``loss_fn`` gets on the last stage (:data:`ModelOutput`)."""
+        ``loss_fn`` gets on the last stage (:data:`ModelOutput`).
+
+        Mixture of experts: a micro-batch carrying ``routed_experts`` has them replayed where the model replays
+        (``moe.routing_replay``); ``routing`` records the chosen experts or measures the routers
+        (``models/moe_routing.py``)."""
         if output not in get_args(ModelOutput):
             raise ValueError(f"output must be one of {get_args(ModelOutput)}, got {output!r}")
         from megatron.core import parallel_state
@@ -155,7 +162,7 @@ class MegatronModel:
         micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # Pipeline stages exchange activations of one shape (given to the schedule below).
-            micro_batches = pad_micro_batches(micro_batches)
+            micro_batches = pad_micro_batches(micro_batches, {"routed_experts": -1})
             if len({mb["input_ids"].shape[0] for mb in micro_batches}) > 1:
                 raise ValueError("with pipeline parallelism all micro-batches must have the same number of sequences")
         if not self.use_te and any("cu_seqlens" in mb for mb in micro_batches):
@@ -163,35 +170,54 @@ class MegatronModel:
         batch_size, seq_len = micro_batches[0]["input_ids"].shape
         for chunk in self.chunks:
             chunk.train(not forward_only)
-        iterators = [iter(micro_batches) for _ in self.chunks]
+        # Each chunk's iterator yields (index, micro-batch): the routers record by micro-batch index.
+        iterators = [iter(enumerate(micro_batches)) for _ in self.chunks]
+        context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        try:
+            with context:
+                results = get_forward_backward_func()(
+                    forward_step_func=self._forward_step(loss_fn, output, routing, len(micro_batches)),
+                    data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                    model=self.chunks,
+                    num_microbatches=len(micro_batches),
+                    seq_length=seq_len,
+                    micro_batch_size=batch_size,
+                    forward_only=forward_only,
+                )
+        finally:
+            if self.moe_routing is not None:
+                self.moe_routing.finish()
+        return list(results)
+
+    def _forward_step(self, loss_fn: LossFn, output: ModelOutput, routing: RoutingPass | None, count: int):
+        """The schedule's forward step: one micro-batch (of ``count``) through one model chunk."""
         # Megatron's Float16Module upcasts the last stage's output to fp32 unless told not to.
         output_kwargs = {"fp32_output": False} if output != "fp32_logits" and self.config.bf16 else {}
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            index, mb = next(data_iterator)
             position_ids = mb.get("position_ids")
             if position_ids is None:
                 ids = mb["input_ids"]
                 position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             attention = packed_model_inputs(mb, self.use_te)  # mask / packed_seq_params: padded or packed
-            with _output_layer_bypassed(model, output == "hidden") as bypassed:
+            with self._routed(model, index, count, mb, routing) as outputs, \
+                    _output_layer_bypassed(model, output == "hidden") as bypassed:
                 model_output = model(mb["input_ids"], position_ids, **attention, **output_kwargs)
+                outputs.append(model_output)
             if bypassed:
                 model_output = OutputLayerInput(model_output, *bypassed)
             return model_output, functools.partial(_schedule_loss, loss_fn, mb)
 
-        context = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with context:
-            results = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=self.chunks,
-                num_microbatches=len(micro_batches),
-                seq_length=seq_len,
-                micro_batch_size=batch_size,
-                forward_only=forward_only,
-            )
-        return list(results)
+        return forward_step
+
+    def _routed(self, model, index: int, count: int, micro_batch: MicroBatch, routing: RoutingPass | None):
+        """Around a chunk's forward of micro-batch ``index`` (of ``count``): its routers replay, record, measure,
+        weigh the aux losses (``MoERouting.micro_batch``); nothing for a dense model."""
+        if self.moe_routing is None:
+            return contextlib.nullcontext([])
+        chunk = next(i for i, c in enumerate(self.chunks) if c is model)
+        return self.moe_routing.micro_batch(chunk, index, count, micro_batch, routing)
 
     def _use_given_attention_masks(self) -> None:
         """Packed micro-batches on the local spec: Megatron's fused softmax kernel (bf16/fp16 on CUDA) applies

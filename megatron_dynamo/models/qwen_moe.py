@@ -80,28 +80,41 @@ def parse_moe_config(cfg: dict[str, Any], num_layers: int) -> MoEArchitecture:
                            shared_expert_intermediate_size=shared)
 
 
+#: moe.routing_replay: off | rollout (the engine's experts) | old_policy (the old-log-prob pass's experts).
+ROUTING_REPLAY = ("off", "rollout", "old_policy")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """How a mixture-of-experts model trains (the run's ``moe`` section; a dense model ignores it).
 
     Keys:
         aux_loss_coef {>= 0}: the weight of the load-balancing loss (Switch Transformer's, per micro-batch:
-            Megatron's ``moe_aux_loss_coeff``) added to the policy loss's gradient; 0: none.
+            Megatron's ``moe_aux_loss_coeff``): its mean over the update's micro-batches, times this, is added to the
+            policy loss; 0: none.
         z_loss_coef {>= 0}: the weight of the router z-loss (ST-MoE: the squared log-sum-exp of the router logits),
-            which keeps router logits small; 0: none.
+            which keeps router logits small, added the same way; 0: none.
+        routing_replay: which experts the update's forwards use (docs/moe.md, "Routing replay"): ``off``, the
+            trainer's router chooses; ``old_policy``, the experts the old-log-prob pass chose, in every forward and
+            backward of the step's update; ``rollout``, the experts the rollout engine chose for each token (the
+            engine returns them). Must be ``off`` for a dense model.
     """
 
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    routing_replay: str = "off"
 
     def validate(self) -> None:
         for name in ("aux_loss_coef", "z_loss_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
 
     def transformer_config_kwargs(self) -> dict:
         return dict(moe_router_load_balancing_type="aux_loss" if self.aux_loss_coef else "none",
-                    moe_aux_loss_coeff=self.aux_loss_coef, moe_z_loss_coeff=self.z_loss_coef or None)
+                    moe_aux_loss_coeff=self.aux_loss_coef, moe_z_loss_coeff=self.z_loss_coef or None,
+                    moe_enable_routing_replay=self.routing_replay != "off")
 
 
 def moe_architecture_kwargs(moe: MoEArchitecture) -> dict:
@@ -146,4 +159,5 @@ def check_moe_layout(moe: MoEArchitecture | None, tensor_parallel: int, expert_p
             raise UnsupportedModelConfig(f"config.json: {name}={value} is not divisible by {key}={ranks}")
 
 
-__all__ = ["MoEArchitecture", "MoEConfig", "check_moe_layout", "moe_architecture_kwargs", "parse_moe_config"]
+__all__ = ["ROUTING_REPLAY", "MoEArchitecture", "MoEConfig", "check_moe_layout", "moe_architecture_kwargs",
+           "parse_moe_config"]

@@ -37,7 +37,8 @@ class RolloutBatch:
     state after drawing this batch's prompts; ``rollouts`` / ``reward_mean``: the responses generated for the step
     and their mean reward (with dynamic sampling every round's, dropped groups included; None: those of
     ``counts`` and ``responses``); ``metrics``: what the rollout stage measured (reward statistics, stage seconds
-    ``time/<stage>``); ``stop_signal``: the stop signal a rank that generated it received (0: none)."""
+    ``time/<stage>``); the responses' routed experts, where the engines returned them, travel with them
+    (``ScoredResponses.routed_experts``); ``stop_signal``: the stop signal a rank that generated it received (0: none)."""
 
     step: int
     version: int

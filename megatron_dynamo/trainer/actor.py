@@ -18,6 +18,7 @@ import torch
 
 from megatron_dynamo.models.megatron_model import (LossFn, MegatronModel, MicroBatch, ModelOutput, OutputLayerInput,
                                                     block_causal_mask, packed_model_inputs, pad_micro_batches)
+from megatron_dynamo.models.moe_routing import RoutingPass
 from megatron_dynamo.models.qwen import QwenArchitecture
 from megatron_dynamo.trainer.batch import UpdateBatch
 
@@ -85,18 +86,18 @@ class MegatronActor(MegatronModel):
             self._wrap_for_training(optim)
 
     def forward_backward(self, micro_batches, loss_fn: LossFn, forward_only: bool = False,
-                         output: ModelOutput = "fp32_logits") -> list[dict]:
+                         output: ModelOutput = "fp32_logits", routing: RoutingPass | None = None) -> list[dict]:
         """:meth:`MegatronModel.forward_backward` on the trainer's micro-batches (:class:`UpdateBatch`): the model
         takes their tensors by name, and ``loss_fn`` gets each back as an ``UpdateBatch`` (on the model's device;
         under pipeline parallelism padded to one shape). Micro-batches given as dicts of tensors pass as they are."""
         if not micro_batches or not isinstance(micro_batches[0], UpdateBatch):
-            return super().forward_backward(micro_batches, loss_fn, forward_only, output)
+            return super().forward_backward(micro_batches, loss_fn, forward_only, output, routing)
 
         def update_batch_loss(model_output, tensors: dict):
             return loss_fn(model_output, UpdateBatch(**tensors))
 
         return super().forward_backward([mb.tensors() for mb in micro_batches], update_batch_loss, forward_only,
-                                        output)
+                                        output, routing)
 
     # ------------------------------------------------------------------ setup
     def _wrap_for_training(self, optim: OptimConfig) -> None:

@@ -34,6 +34,8 @@ class Sample:
     advantage: float = 0.0
     engine_logp: tuple[float, ...] | None = None  # the rollout engine's log-prob of each response token
     loss_weight: float = 1.0  # its prompt's weight in the loss (algorithms/prompt_weights.py)
+    # Mixture of experts: the engine's experts of each input token (prompt + response - 1), int [n, MoE layers, k].
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -59,6 +61,9 @@ class UpdateBatch:
     old_logp: torch.Tensor | None = None  # per token: the old policy's log-probs (the old-log-prob pass)
     engine_logp: torch.Tensor | None = None  # per token: the rollout engine's log-probs
     selection: torch.Tensor | None = None  # per token: a baseline's mini-batch-wide token selection
+    # per token: the experts to replay or compare with, [B, S, MoE layers, k] (or [1, T, ...]), -1: none
+    # (models/moe_routing.py)
+    routed_experts: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors it holds by name, as the model layer takes a micro-batch (``models.megatron_model``)."""
@@ -260,7 +265,23 @@ def padded_micro_batch(samples: list[Sample], pad_token_id: int, num_rows: int,
         loss_weight[row] = sample.loss_weight
         sample_index[row] = sample.index
     return UpdateBatch(input_ids=input_ids, labels=labels, loss_mask=loss_mask, advantages=advantages,
-                       loss_weight=loss_weight, sample_index=sample_index)
+                       loss_weight=loss_weight, sample_index=sample_index,
+                       routed_experts=routed_experts_rows(samples, [(row, 0) for row in range(len(samples))],
+                                                          (num_rows, seq_len)))
+
+
+def routed_experts_rows(samples: list[Sample], starts: list[tuple[int, int]],
+                        shape: tuple[int, int]) -> torch.Tensor | None:
+    """The samples' ``routed_experts`` in a micro-batch's token layout ``shape`` ([B, S] or [1, T]), each from its
+    (row, first position) in ``starts``: [*shape, layers, k], -1 elsewhere; None when no sample carries any."""
+    given = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not given:
+        return None
+    out = torch.full((*shape, *given[0].shape[1:]), -1, dtype=given[0].dtype)
+    for sample, (row, start) in zip(samples, starts):
+        if sample.routed_experts is not None:
+            out[row, start:start + sample.routed_experts.shape[0]] = sample.routed_experts
+    return out
 
 
 def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: int = 1,
@@ -298,7 +319,9 @@ def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: i
                        token_row=token_row, cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
                        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
                        loss_weight=torch.tensor([s.loss_weight for s in samples], dtype=torch.float64),
-                       sample_index=torch.tensor([s.index for s in samples], dtype=torch.long))
+                       sample_index=torch.tensor([s.index for s in samples], dtype=torch.long),
+                       routed_experts=routed_experts_rows(samples, [(0, start) for start in cu_seqlens[:-1]],
+                                                          (1, total)))
 
 
 def _response_positions(micro_batch: UpdateBatch) -> list[tuple[int, tuple]]:

@@ -15,7 +15,10 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
+
+from megatron_dynamo.parallel.runtime import collective_device
 
 
 class MetricsLoggerError(RuntimeError):
@@ -262,6 +265,47 @@ def collect_metric_sums(local: dict[str, tuple[float, float]]) -> dict[str, floa
             acc[0] += s
             acc[1] += c
     return {k: s / c for k, (s, c) in totals.items() if c > 0}
+
+
+def moe_metrics(stats, aux: dict[str, torch.Tensor], micro_batches: int, layers: list[int],
+                sequence_parallel: bool) -> dict[str, float]:
+    """Collective over the training ranks: the ``moe/*`` metrics of a step's training forwards from every rank's
+    router statistics (``models.moe_routing.RoutingStats`` over the model's MoE layers ``layers``) and Megatron's
+    tracked aux losses (``aux``: key -> per MoE layer, summed over this rank's ``micro_batches``).
+
+    A batch's counts are global: summed over the ranks that saw different tokens (data-parallel ranks, and the
+    sequence slices of sequence parallelism; each pipeline stage adds its own layers). Without sequence
+    parallelism a tensor-parallel group's ranks saw the same tokens: only its rank 0 counts. The aux losses are
+    per micro-batch: their mean over micro-batches, data-parallel ranks and layers (the load-balancing loss of a
+    sequence-parallel rank is its part of the micro-batch's, the z-loss its slice's mean)."""
+    from megatron.core import parallel_state as ps
+
+    shards = ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+    local = torch.cat([stats.tensor().flatten(), *aux.values()]).double().cpu()
+    if not (sequence_parallel or ps.get_tensor_model_parallel_rank() == 0):
+        local.zero_()
+    total = local.to(collective_device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    total = total.cpu()
+    num_layers, width = stats.counts.shape[0], stats.counts.shape[1] + 4
+    table = total[:num_layers * width].view(num_layers, width)
+    counts, (entropy, tokens, agreement, slots) = table[:, :-4], table[:, -4:].T
+    metrics: dict[str, float] = {}
+    loads = counts.max(1).values / counts.mean(1).clamp_min(1e-300)
+    for layer, load, n in zip(layers, loads.tolist(), tokens.tolist()):
+        if n > 0:
+            metrics[f"moe/expert_load_layer_{layer}"] = load
+    if tokens.sum() > 0:
+        metrics["moe/expert_load_max_over_mean"] = float(loads[tokens > 0].max())
+        metrics["moe/router_entropy"] = float(entropy.sum() / tokens.sum())
+    if slots.sum() > 0:
+        metrics["moe/routing_agreement"] = float(agreement.sum() / slots.sum())
+    per_layer = total[num_layers * width:].view(-1, num_layers) if aux else total.new_zeros(0, num_layers)
+    for key, values in zip(aux, per_layer):
+        runs = ps.get_data_parallel_world_size() * max(micro_batches, 1) * num_layers
+        metrics[key] = float(values.sum()) / runs / (shards if key == "moe/z_loss" else 1)
+    return metrics
 
 
 def is_metric_rank() -> bool:

@@ -85,12 +85,13 @@ def old_entropies(old: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
 
 def old_logprob_pass(updater, plans, last_stage: bool, timer) -> dict[int, dict[str, torch.Tensor]]:
     """The forward-only pass over every mini-batch of ``plans`` under the step's starting weights (timed as
-    ``old_logprob``), its log-probs put into the micro-batches as ``old_logp``; returns the per-sample token stats.
+    ``old_logprob``), its log-probs put into the micro-batches as ``old_logp`` (and, with ``moe.routing_replay:
+    old_policy``, the experts it routed to as ``routed_experts``); returns the per-sample token stats.
     ``updater``: the ``PolicyUpdater``."""
     with timer("old_logprob"):
         old: dict[int, dict[str, torch.Tensor]] = {}
         for _, micro in plans:
-            old.update(updater.forward_token_stats(micro))
+            old.update(updater.forward_token_stats(micro, record_routing=updater.records_old_policy))
         put_old_logp(plans, old, last_stage)
     return old
 

@@ -168,6 +168,13 @@ def _check_output_space(run: RunConfig) -> None:
                           "free space or set checkpoint.dir elsewhere")
 
 
+def _check_routing_replay(run: RunConfig) -> None:
+    """``moe.routing_replay`` needs a model with routers (a mixture of experts)."""
+    if run.moe.routing_replay != "off" and parse_qwen_config(load_hf_config(run.model.config_source())).moe is None:
+        raise ConfigError(f"moe.routing_replay: must be off for a dense model (no router to replay), got "
+                          f"{run.moe.routing_replay!r}")
+
+
 def _check_signing_key() -> None:
     try:
         signing_key()
@@ -282,6 +289,7 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: boo
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
         for benchmark in evaluation.benchmarks:
             _check_dataset("evaluation.benchmarks", benchmark, data_dir)
+    _check_routing_replay(run)
     _check_output_space(run)  # after the model's files: the checkpoint size is computed from its config
     if run.logging.wandb.mode != "disabled":
         import importlib.util

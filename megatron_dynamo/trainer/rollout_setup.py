@@ -76,7 +76,8 @@ def sampling_config(run, tokenizer, generation_config_to: Path | None = None):
     """The rollout's sampling parameters. Responses stop where the model's turn ends: the tokenizer's EOS, the
     model's generation_config.json end tokens (its HF directory, a Megatron checkpoint's hf/, the tokenizer
     directory) and the template's end of turn. ``generation_config_to``: copy the generation config there (saved
-    checkpoints and the exported model carry it from the tokenizer directory)."""
+    checkpoints and the exported model carry it from the tokenizer directory). ``moe.routing_replay: rollout``
+    asks the engine for the experts it routed each token to."""
     model_dirs = [run.model.tokenizer]
     if run.model.checkpoint:  # an HF directory, or a Megatron checkpoint with its hf/
         checkpoint = run.model.checkpoint
@@ -88,7 +89,8 @@ def sampling_config(run, tokenizer, generation_config_to: Path | None = None):
     except (GenerationConfigError, OSError) as exc:
         raise TrainingError(str(exc)) from None
     return SamplingConfig(temperature=run.rollout.temperature, top_p=run.rollout.top_p,
-                          max_tokens=run.rollout.max_response_tokens, seed=run.trainer.seed, stop_token_ids=stop_ids)
+                          max_tokens=run.rollout.max_response_tokens, seed=run.trainer.seed, stop_token_ids=stop_ids,
+                          routed_experts=run.moe.routing_replay == "rollout")
 
 
 def rollout_dtype(run) -> torch.dtype:
@@ -115,6 +117,8 @@ def create_engine(run, model_dir: Path, hf_config: dict[str, Any], tokenizer, ma
                   sleep_level=run.rollout.sleep_level,
                   emulate_sleep=sleep_mode and run.rollout.emulate_sleep and not gpu,
                   **kv_cache_size(run, hf_config, max_model_len, gpu),
+                  # routing replay from the rollout: on a GPU, vLLM's own routed-experts output (built in)
+                  routed_experts=run.moe.routing_replay == "rollout" and gpu,
                   # Random weights at start: the trainer loads its own before the first rollout.
                   engine_kwargs={"load_format": "dummy"})
 

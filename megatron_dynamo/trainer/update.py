@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_dynamo.algorithms.modulation import ModulationScope, modulation_scope
+from megatron_dynamo.models.moe_routing import RoutingPass
 from megatron_dynamo.trainer.batch import (Sample, UpdateBatch, build_micro_batches, gather_token_values,
                                            make_micro_batches, plan_token_micro_batches, resolve_pack_sequences,
                                            shard_for_rank, split_mini_batches)
 from megatron_dynamo.trainer.metrics import collect_metric_sums, is_metric_rank
+from megatron_dynamo.trainer.moe_update import MoEUpdate
 from megatron_dynamo.trainer.old_logprobs import (entropies_from_update, old_entropies, old_logprob_pass,
                                                   old_policy_metrics, scatter_engine_logprobs,
                                                   update_gives_old_logprobs)
@@ -104,6 +106,8 @@ class PolicyUpdater:
         self.run = run
         self.actor = actor
         self.pad_token_id = pad_token_id
+        # A mixture-of-experts policy: routing replay and the routers' metrics (trainer/moe_update.py).
+        self.moe = MoEUpdate(actor, run.moe.routing_replay) if getattr(actor, "moe_routing", None) else None
 
     # ------------------------------------------------------------------ model work
     def micro_batches_for(self, samples: list[Sample]) -> list[UpdateBatch]:
@@ -143,10 +147,16 @@ class PolicyUpdater:
         else the logits in the model dtype."""
         return "hidden" if self.run.trainer.fused_output_layer else "logits"
 
-    def forward_token_stats(self, micro_batches: list[UpdateBatch]) -> dict[int, dict[str, torch.Tensor]]:
-        """Forward-only pass: per sample index, its response tokens' logp / entropy / sum_pi2_lambda (last stage)."""
+    def forward_token_stats(self, micro_batches: list[UpdateBatch],
+                            record_routing: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+        """Forward-only pass: per sample index, its response tokens' logp / entropy / sum_pi2_lambda (last stage).
+        ``record_routing``: the experts it routes to go into the micro-batches (``moe.routing_replay: old_policy``)."""
         fn = token_stats_fn(self.run.rollout.temperature, self.run.dynamo.token_stats_chunk)
-        results = self.actor.forward_backward(micro_batches, fn, forward_only=True, output=self.model_output)
+        routing = RoutingPass(record=True) if record_routing else None
+        results = self.actor.forward_backward(micro_batches, fn, forward_only=True, output=self.model_output,
+                                              routing=routing)
+        if routing is not None:
+            self.moe.keep_recorded(micro_batches, routing)
         per_sample: dict[int, dict[str, torch.Tensor]] = {}
         for mb, out in zip(micro_batches, results):
             for name in ("logp", "entropy", "sum_pi2_lambda"):
@@ -168,6 +178,9 @@ class PolicyUpdater:
                               ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None,
                               ps.get_data_parallel_rank())
         tally = UpdateTally()
+        if self.moe is not None:
+            self.moe.check_engine_experts(samples)
+            self.moe.start()
         # Where the update's own forward gives the old log-probs, it stands in for their pass (old_logprobs.py).
         reuse = update_gives_old_logprobs(run, len(plans))
         old = {} if reuse else old_logprob_pass(self, plans, layout.last_stage, timer)
@@ -185,7 +198,13 @@ class PolicyUpdater:
         if reuse and plans:  # the update ran on the old weights: the old policy's numbers come from it
             entropies = entropies_from_update(plans, tally.last_results, layout.last_stage)
             gap_max = old_policy_metrics(plans, entropies, tally.sums, engine_logp)
-        return tally.metrics(gap_max, scope_gaps=self.current_policy_scopes)
+        metrics = tally.metrics(gap_max, scope_gaps=self.current_policy_scopes)
+        return metrics if self.moe is None else {**metrics, **self.moe.metrics()}
+
+    @property
+    def records_old_policy(self) -> bool:
+        """The old-log-prob pass records the experts the update replays (``moe.routing_replay: old_policy``)."""
+        return self.moe is not None and self.moe.records_old_policy
 
     # ------------------------------------------------------------------ modulation scopes
     @property
@@ -234,7 +253,8 @@ class PolicyUpdater:
                                  run.dynamo.token_stats_chunk,
                                  compare_scope=old_scope if self.current_policy_scopes else None, timer=timer)
         with timer("train"):
-            results = self.actor.forward_backward(micro, loss_fn, output=self.model_output)
+            routing = self.moe.training_pass(micro) if self.moe is not None else None
+            results = self.actor.forward_backward(micro, loss_fn, output=self.model_output, routing=routing)
             tally.last_results = results
             loss = sum(float(r["loss"]) for r in results)
             if not self.loss_is_finite(loss):
