@@ -295,9 +295,12 @@ class JobTopology:
         return tuple(range(self.first_engine_rank, self.world_size, self.rollout.tensor_parallel))
 
     def describe(self) -> str:
-        """One line: the training layout and the engines (the header of ``dynamo train``, ``dynamo launch``)."""
+        """One line: the training layout (the experts' split where there is one) and the engines (the header of
+        ``dynamo train``, ``dynamo launch``)."""
         p, r = self.parallel, self.rollout
-        line = (f"DP {p.data_parallel} x TP {p.tensor_parallel} x PP {p.pipeline_parallel}; "
+        experts = (f" (experts: EP {p.expert_parallel} x expert TP {p.expert_tensor_parallel})"
+                   if p.expert_parallel * p.expert_tensor_parallel > 1 else "")
+        line = (f"DP {p.data_parallel} x TP {p.tensor_parallel} x PP {p.pipeline_parallel}{experts}; "
                 f"{plural(r.num_engines, 'rollout engine')} of {plural(r.tensor_parallel, 'rank')}")
         if self.separate:
             first, last = self.first_engine_rank, self.world_size - 1

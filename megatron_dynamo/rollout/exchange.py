@@ -4,9 +4,10 @@ After generation each engine leader holds the responses of the prompts assigned 
 :func:`gather_rollout` packs them into three tensors per leader (integers per response: prompt index, sample index,
 length, truncated; the token ids back to back; the rewards) and all-gathers them over the default group (other
 ranks contribute empty tensors), and the engine's log-prob of every sampled token the same way (float64, NaN where
-the engine gave none), for the trainer's engine-vs-trainer gap metrics and ``dynamo.loss.engine_is``, and, where the engines returned them,
-each response's routed experts (a mixture-of-experts model's ``moe.routing_replay: rollout``). Every rank then holds the whole step's rollout in one canonical order, prompt order
-then sample index: the order a single engine produces. Prompt ids and prompt tokens never travel: every rank has
+the engine gave none), for the trainer's engine-vs-trainer gap metrics and ``dynamo.loss.engine_is``, and, where the
+engines returned them, each response's routed experts (a mixture-of-experts model's ``moe.routing_replay:
+rollout``). Every rank then holds the whole step's rollout in one canonical order, prompt order then sample index:
+the order a single engine produces. Prompt ids and prompt tokens never travel: every rank has
 the step's prompts (same sampler, same tokenizer) and refers to them by index.
 """
 
