@@ -13,11 +13,12 @@ import torch
 
 from hf_reference import TINY_QWEN3_MOE, hf_checkpoint_state_dict, hf_model, read_hf_checkpoint
 from megatron_dynamo.config import ConfigError
+from megatron_dynamo.parallel.topology import JobTopology
 from megatron_dynamo.rollout.exchange import ScoredResponses, gather_rollout
 from megatron_dynamo.rollout.rollout_batch import RolloutBatch
 from megatron_dynamo.trainer.config import load_run_config
 from multiproc import run_on_ranks
-from test_moe_models import CPU_DEFAULT, ROUTER_SCALE
+from test_moe_models import CPU_DEFAULT, ROUTER_SCALE, _colocated, _parallel
 
 EXPERTS, TOP_K, MOE_LAYERS = 8, 2, (1, 2, 3)  # tiny-qwen3-moe: layer 0 dense
 AUX_COEF = 0.01
@@ -95,7 +96,9 @@ def _layer_io(actor, layer: int):
 
     mlp = unwrap_model(actor.chunks[0]).decoder.layers[layer].mlp
     seen = []
-    mlp.register_forward_hook(lambda module, args, output: seen.append((args[0].detach().clone(), output[0].detach().clone())))
+    # (copies: the layer's input is changed in place after it)
+    mlp.register_forward_hook(lambda module, args, output: seen.append((args[0].detach().clone(),
+                                                                        output[0].detach().clone())))
     return mlp, seen
 
 
@@ -205,7 +208,8 @@ def test_rollout_replay_uses_the_engines_experts(checkpoint):
     (result,) = run_on_ranks(_rollout_replay_worker, 1, checkpoint)
     # The old-log-prob pass over the engine's experts = the one routing for itself. Not bit for bit: the padding
     # positions of a micro-batch have no engine experts and go to experts 0..k-1 instead of the router's choice,
-    # which changes the row counts of the experts' GEMMs (float32 rounding of other rows: measured 4.8e-7; 0 without padding).
+    # which changes the row counts of the experts' GEMMs (float32 rounding of other rows: measured 4.8e-7; 0
+    # without padding).
     for index in range(4):
         for stat in ("logp", "entropy"):
             assert (result["same"][index][stat] - result["free"][index][stat]).abs().max() <= 2e-6
@@ -349,6 +353,7 @@ def test_moe_metrics_match_an_independent_computation(checkpoint, replay):
 def _expert_parallel_worker(rank, world_size, checkpoint):
     """EP ``world_size`` (DP ``world_size`` for the dense part): rank r trains micro-batch r of the same batch
     that one EP1 rank trains whole; gradients by global name (local expert j of rank r is expert r * E/EP + j)."""
+    from megatron_dynamo.models.moe_routing import RoutingPass
     from megatron_dynamo.parallel import runtime
     from megatron_dynamo.trainer.batch import make_micro_batches
     from megatron_dynamo.trainer.moe_update import MoEUpdate
@@ -371,7 +376,15 @@ def _expert_parallel_worker(rank, world_size, checkpoint):
         grads[name] = grad
     loss = torch.tensor([sum(float(r["loss"]) for r in results)])
     torch.distributed.all_reduce(loss)
-    return {"loss": float(loss), "grads": grads, "metrics": moe.metrics()}
+    metrics = moe.metrics()
+    # Replay across the all-to-all: this rank's recorded experts, replayed, give the same forward.
+    recording = RoutingPass(record=True)
+    recorded_run, _ = _run(actor, mine, recording, forward_only=True)
+    for index, mb in enumerate(mine):
+        mb.routed_experts = recording.recorded[index]
+    replayed_run, _ = _run(actor, mine, forward_only=True)
+    replay_equal = all(torch.equal(a[0], b[0]) for a, b in zip(recorded_run, replayed_run))
+    return {"loss": float(loss), "grads": grads, "metrics": metrics, "replay_equal": replay_equal}
 
 
 def _loss_with_value(denominator, kept):
@@ -398,6 +411,7 @@ def test_expert_parallel_2_gives_the_losses_and_gradients_of_1(checkpoint):
         assert (grads[name] - expected).abs().max() <= 1e-5 * expected.abs().max(), name
     for key, value in single["metrics"].items():
         assert ranks[0]["metrics"][key] == pytest.approx(value, rel=1e-6), key
+    assert single["replay_equal"] and all(rank["replay_equal"] for rank in ranks)
 
 
 # ---------------------------------------------------------------------------------------------- the rollout side
@@ -434,3 +448,10 @@ def test_routing_replay_is_refused_on_a_dense_model(tmp_path):
     with pytest.raises(ConfigError) as error:
         check_run_inputs(run, local_only=True, resume=False)
     assert str(error.value) == "moe.routing_replay: must be off for a dense model (no router to replay), got 'rollout'"
+
+
+def test_the_run_header_names_the_experts_split():
+    assert JobTopology.resolve(2, _parallel(ep=2), _colocated()).describe() == (
+        "DP 2 x TP 1 x PP 1 EP=2 (expert TP 1); 2 rollout engines of 1 rank")
+    assert JobTopology.resolve(2, _parallel(), _colocated()).describe() == (
+        "DP 2 x TP 1 x PP 1; 2 rollout engines of 1 rank")

@@ -39,7 +39,8 @@ def _update(run, samples):
     runner = StepRunner(run, actor, pad_token_id=0, rollout_dtype=torch.float32)
     passes = []
     forward_token_stats = runner.updater.forward_token_stats
-    runner.updater.forward_token_stats = lambda micro: passes.append(len(micro)) or forward_token_stats(micro)
+    runner.updater.forward_token_stats = lambda micro, **kwargs: (passes.append(len(micro))
+                                                                  or forward_token_stats(micro, **kwargs))
     timer = StageTimer()
     before = {name: p.detach().clone() for name, p in actor.named_parameters()}
     metrics = runner.update(samples, [f"p{i}" for i in range(3)], timer, step=1)

@@ -301,7 +301,8 @@ class JobTopology:
         return tuple(range(self.first_engine_rank, self.world_size, self.rollout.tensor_parallel))
 
     def describe(self) -> str:
-        """One line: the training layout and the engines (the header of ``dynamo train``, ``dynamo launch``)."""
+        """One line: the training layout (the experts' split where there is one) and the engines (the header of
+        ``dynamo train``, ``dynamo launch``)."""
         p, r = self.parallel, self.rollout
         line = (f"DP {p.data_parallel} x TP {p.tensor_parallel} x PP {p.pipeline_parallel}{p.describe_experts()}; "
                 f"{plural(r.num_engines, 'rollout engine')} of {plural(r.tensor_parallel, 'rank')}")

@@ -38,7 +38,8 @@ class RolloutBatch:
     and their mean reward (with dynamic sampling every round's, dropped groups included; None: those of
     ``counts`` and ``responses``); ``metrics``: what the rollout stage measured (reward statistics, stage seconds
     ``time/<stage>``); the responses' routed experts, where the engines returned them, travel with them
-    (``ScoredResponses.routed_experts``); ``stop_signal``: the stop signal a rank that generated it received (0: none)."""
+    (``ScoredResponses.routed_experts``); ``stop_signal``: the stop signal a rank that generated it received (0:
+    none)."""
 
     step: int
     version: int

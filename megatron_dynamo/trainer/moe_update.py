@@ -57,8 +57,9 @@ class MoEUpdate:
             if tuple(experts.shape) != (rows, *shape):
                 raise RolloutError(f"routed experts of sample {s.index}: shape {tuple(experts.shape)}, expected "
                                    f"{(rows, *shape)} (prompt + response - 1 tokens, MoE layers, top-k)")
-            if experts.numel() and not 0 <= int(experts.min()) <= int(experts.max()) < self.config.num_moe_experts:
-                raise RolloutError(f"routed experts of sample {s.index}: ids outside 0..{self.config.num_moe_experts - 1}")
+            experts_count = self.config.num_moe_experts
+            if experts.numel() and not 0 <= int(experts.min()) <= int(experts.max()) < experts_count:
+                raise RolloutError(f"routed experts of sample {s.index}: ids outside 0..{experts_count - 1}")
 
     def start(self) -> None:
         """Before a step's update: fresh router statistics, and Megatron's aux-loss tracker emptied of the
@@ -87,7 +88,8 @@ class MoEUpdate:
 
         tracker, config = get_moe_layer_wise_logging_tracker(), self.config
         aux = {}
-        for name, key, on in (("load_balancing_loss", "moe/aux_loss", config.moe_router_load_balancing_type == "aux_loss"),
+        for name, key, on in (("load_balancing_loss", "moe/aux_loss",
+                               config.moe_router_load_balancing_type == "aux_loss"),
                               ("z_loss", "moe/z_loss", config.moe_z_loss_coeff is not None)):
             if on:  # tracked on the ranks that hold MoE layers (per layer of the model, summed over micro-batches)
                 values = tracker[name]["values"] if name in tracker else torch.zeros(config.num_layers)
