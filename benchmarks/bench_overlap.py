@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -128,11 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/cpu_overlap.yaml", help="the recipe (default: %(default)s)")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated trainer.seed values (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the recipe's)")
-    parser.add_argument("--out", default="outputs/bench_overlap",
-                        help="run directories, JSON and plot; the warm-up and finished runs there are reused")
-    parser.add_argument("--json", default=None, help="also write the JSON here (e.g. benchmarks/results/...)")
+    child_process.add_output_options(parser, "bench_overlap")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stops the run in progress too (child_process.run)
+    child_process.exit_on_sigterm()
     out = Path(args.out).resolve()
     seeds = [int(s) for s in args.seeds.split(",")]
     common = list(args.overrides) + ([f"trainer.steps={args.steps}"] if args.steps else [])

@@ -25,3 +25,19 @@ def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
         stop(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def add_output_options(parser, name: str) -> None:
+    """``--out`` (run directories and JSON, default ``outputs/<name>``; finished runs there are reused) and
+    ``--json`` (another copy of the JSON, e.g. under benchmarks/results/)."""
+    parser.add_argument("--out", default=f"outputs/{name}",
+                        help="run directories and JSON; the warm-up and finished runs there are reused")
+    parser.add_argument("--json", default=None, help="also write the JSON here (e.g. benchmarks/results/...)")
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM exits (status 143) through Python, so :func:`run` stops the child in progress too."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
