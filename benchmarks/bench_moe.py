@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (warm / "checkpoints" / "step_000000").is_dir():
         print(f"warm-up: {_train(args.config, warm, [*args.overrides, 'trainer.steps=0']):.0f} s", flush=True)
     start = [f"model.checkpoint={warm / 'checkpoints' / 'step_000000'}", "trainer.sft_warmup_steps=0",
-             f"trainer.steps={args.steps}", "checkpoint.every=0", *args.overrides]
+             f"trainer.steps={args.steps}", "checkpoint.every=1000", *args.overrides]
     results: dict[str, list[dict]] = {name: [] for name, _, _ in CONFIGURATIONS}
     for i, seed in enumerate(rounds):
         for name, ep, algo in (CONFIGURATIONS if i % 2 == 0 else CONFIGURATIONS[::-1]):
