@@ -74,6 +74,12 @@ def summarise(out: Path, first_step: int = 2) -> dict:
             "reward": [r.get("reward_mean") for r in rows if "reward_mean" in r]}
 
 
+def _ratio(a: float, b: float) -> str:
+    """``a / b`` as ``1.23x``; ``-`` where the phase did not run (the old-log-prob pass is skipped when the update's
+    own forward stands in for it: one mini-batch, one epoch)."""
+    return f"{a / b:.2f}x" if b else "-"
+
+
 def render(results: dict[str, list[dict]]) -> str:
     """Per configuration: the median over rounds of each phase's median, and the two ratios."""
     names = [name for name, _ in PHASES] + ["rest", "non-generation"]
@@ -89,7 +95,7 @@ def render(results: dict[str, list[dict]]) -> str:
                         ("DynaMO / GRPO, EP1", "EP1 DynaMO", "EP1 GRPO"),
                         ("DynaMO / GRPO, EP2", "EP2 DynaMO", "EP2 GRPO")):
         if a in median and b in median:
-            lines.append(f"| {label} | " + " | ".join(f"{median[a][n] / median[b][n]:.2f}x" for n in
+            lines.append(f"| {label} | " + " | ".join(_ratio(median[a][n], median[b][n]) for n in
                                                        ("step", "update", "old log-prob", "non-generation")) + " |")
     return "\n".join(lines)
 
