@@ -76,7 +76,8 @@ def test_gather_rollout_gives_every_rank_everything_in_canonical_order():
     expected = {"prompt_index": [0, 0, 1, 2, 3], "sample_index": [0, 1, 0, 0, 0],
                 "token_ids": [(), (7,), (9, 9, 9), (1, 2, 3, 4), (5, 6)],
                 "truncated": [False, True, True, False, False], "rewards": [0.5, 0.0, 0.25, 1.0, 1.0],
-                "logprobs": [(), (None,), (-0.5, -1.0, -1.5), (-0.25, -2.0, -3.0, -4.0), (None, None)]}
+                "logprobs": [(), (None,), (-0.5, -1.0, -1.5), (-0.25, -2.0, -3.0, -4.0), (None, None)],
+                "routed_experts": [None] * 5}  # a dense rollout: no response carries experts
     assert results == [expected] * 3
 
 
