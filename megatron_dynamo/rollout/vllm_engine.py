@@ -67,7 +67,8 @@ from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResp
                                                WeightUpdateStats, check_requests, check_responses, register_engine,
                                                request_seed)
 from megatron_dynamo.rollout.vllm_setup import (DTYPE_NAMES, VLLMEngineConfig, VLLMNotAvailableError,  # noqa: F401
-                                                import_vllm, quiet_reload_records_of_buffer_only_layers, start_llm)
+                                                compile_stance, import_vllm,
+                                                quiet_reload_records_of_buffer_only_layers, start_llm)
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class VLLMEngine:
                 prompts.append({"prompt": request.prompt_text})
 
         # vLLM never names CUDA on CPU: no Python hook on each of its torch ops.
-        with cpu_compat.suspended():
+        with cpu_compat.suspended(), compile_stance(self.config, self.on_gpu):
             outputs_by_request = self._run(prompts, params)
         responses: list[GenerationResponse] = []
         for request, seed, output in zip(active, seeds, outputs_by_request):

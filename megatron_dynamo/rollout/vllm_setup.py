@@ -6,6 +6,7 @@ frozen first; and the filter for vLLM's reload records of layers that hold only 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from dataclasses import dataclass, field, replace
@@ -179,6 +180,18 @@ def start_llm(llm_class, kwargs: dict[str, Any], layout: EngineLayout, on_gpu: b
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def compile_stance(config: VLLMEngineConfig, on_gpu: bool):
+    """The ``torch.compile`` stance a generation runs under: ``force_eager`` on the CPU with ``enforce_eager`` (the
+    CPU default). vLLM's sampler compiles one helper even there (``batched_count_greater_than``: each sampled token's
+    rank among the log-probs, one comparison and a sum) with inductor, at the first generation that asks for
+    log-probs: 7-9 s of the CPU default's first step on 2 cores with an empty inductor cache (a new machine), 2 s
+    with a warm one, and no faster than eager afterwards (100 us a call either way for 256 rows of 128 tokens).
+    Elsewhere torch.compile runs as vLLM configured it."""
+    if on_gpu or not config.enforce_eager:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 def quiet_reload_records_of_buffer_only_layers(model: torch.nn.Module) -> None:

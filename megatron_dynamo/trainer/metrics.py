@@ -124,8 +124,9 @@ def format_duration(seconds: float) -> str:
 class StepProgress:
     """The training console: one summary line per step (:func:`progress_line`) ending in the ETA (the mean time of
     the steps this process ran after its first, times the steps left; ``--:--`` after the first step, whose time
-    is mostly one-time start-up: vLLM's first generation compiles, 13.5 s of the CPU default's 14 s first step
-    against 0.8 s for the next ones, so an ETA from it said 14 minutes for a 50-s run), on stdout; on a terminal, also a tqdm bar of steps (with its
+    holds one-time start-up: the first generation's set-up, 1.3 s of the CPU default's first step against 0.35 s
+    for the next ones, and 14 s while vLLM compiled a sampler helper there, when an ETA from it said 14 minutes for
+    a 50-s run), on stdout; on a terminal, also a tqdm bar of steps (with its
     own rate and ETA) on stderr under the lines, gone when the run ends. Log records go through tqdm
     (``library_logs.progress_and_errors``), so they do not tear it. ``bar``: force the bar on or off (default: when stderr is a
     terminal)."""
