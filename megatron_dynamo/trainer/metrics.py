@@ -12,9 +12,11 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import psutil
 import torch.distributed as dist
 
 
@@ -76,6 +78,29 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish(exit_code=0 if sys.exc_info()[0] is None else 1)
             self._wandb = None
+
+
+class StartupClock:
+    """Where this rank's start-up went, logged with the first step it runs (``startup/`` metrics,
+    ``docs/metrics.md``): the seconds from this process's start to the trainer's construction (``launch``: the
+    interpreter, imports, the recipe, the launcher's checks), each phase timed by :meth:`phase`, and the ``total``
+    to the start of the first step."""
+
+    def __init__(self):
+        self.seconds = {"launch": time.time() - psutil.Process().create_time()}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """The ``startup/`` metrics, the total up to now (call it as the first step begins)."""
+        total = time.time() - psutil.Process().create_time()
+        return {**{f"startup/{name}": seconds for name, seconds in self.seconds.items()}, "startup/total": total}
 
 
 def start_wandb(cfg, output_dir: str, run_config: dict[str, Any] | None, resumed: bool, verbose: bool = False):
