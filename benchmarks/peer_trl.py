@@ -7,7 +7,11 @@ optimizer, sampling and step count as ``dynamo train --algo grpo``).
 Writes one JSON line per optimizer step to ``spec["step_log"]`` (flushed at the step's end): the step's seconds
 (``on_step_begin`` to ``on_step_end``: generation, scoring, the update and the optimizer step; TRL's logging after
 it is not in it), its parts (``time/<part>``, and this process's CPU seconds, ``cpu/<part>``, ``cpu/step``), the mean reward and response length, and whether the generation batch held exactly
-the step's prompts. The parts, timed by wrapping TRL's own methods:
+the step's prompts; the first step's line also the start-up's phases, in wall seconds, as ours logs them
+(``startup/<phase>``): ``launch`` (the process's start to this script's first line), ``imports``, ``model`` (the
+tokenizer and the model loaded), ``reward_workers`` (the scorer built; its workers start in the background),
+``trainer`` (GRPOTrainer built), ``train_setup`` (``train()`` up to the first step), ``total``. The parts, timed by
+wrapping TRL's own methods:
 
     generation    ``_generate`` (tokenising the prompts, ``model.generate``, decoding)
     reward        ``_calculate_rewards`` (our math reward: megatron_dynamo.reward's MathRewardScorer)
@@ -27,9 +31,19 @@ import time
 
 
 def main(spec_path: str) -> int:
+    import psutil
+
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
-    started = time.time()
+    started = psutil.Process().create_time()
+    startup = {"launch": time.time() - started}  # the start-up's phases (as ours: metrics' startup/)
+    mark = time.perf_counter()
+
+    def phase_done(name):
+        nonlocal mark
+        startup[name] = time.perf_counter() - mark
+        mark = time.perf_counter()
+
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -37,13 +51,16 @@ def main(spec_path: str) -> int:
 
     from megatron_dynamo.reward.math_reward import MathRewardScorer, reward_workers_per_scorer
 
+    phase_done("imports")
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    phase_done("model")
     eos = {tokenizer.eos_token_id}
     max_tokens = spec["max_response_tokens"]
     scorer = MathRewardScorer(num_workers=reward_workers_per_scorer(1))
+    phase_done("reward_workers")
     rows = [{"prompt": p["prompt"], "answers": p["answers"], "step": p["step"]} for p in spec["prompts"]]
     clock: dict[str, float] = {}
     state = {"in_scoring": False, "prompts_match": True, "rewards": [], "lengths": []}
@@ -96,6 +113,7 @@ def main(spec_path: str) -> int:
             self.start, self.cpu = time.perf_counter(), time.process_time()
             if trainer_state.global_step == 0:
                 self.first_step_wall = time.time()
+                phase_done("train_setup")
 
         def on_step_end(self, args, trainer_state, control, **kwargs):
             seconds = time.perf_counter() - self.start
@@ -112,6 +130,8 @@ def main(spec_path: str) -> int:
                            "rollouts": len(state["rewards"]), "prompts_match": state["prompts_match"]})
             if trainer_state.global_step == 1:
                 record["startup_seconds"] = self.first_step_wall - started
+                record.update({f"startup/{name}": seconds for name, seconds in startup.items()})
+                record["startup/total"] = record["startup_seconds"]
             log.write(json.dumps(record) + "\n")
             log.flush()
 
@@ -127,6 +147,7 @@ def main(spec_path: str) -> int:
         logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     trainer = TimedGRPO(model=model, reward_funcs=[math_reward], args=config, train_dataset=Dataset.from_list(rows),
                         processing_class=tokenizer, callbacks=[StepLog()])
+    phase_done("trainer")
     try:
         trainer.train()
     finally:

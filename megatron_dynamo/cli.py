@@ -19,7 +19,7 @@ import argparse
 import importlib
 import sys
 
-from megatron_dynamo import library_logs
+from megatron_dynamo import heap, library_logs
 
 # The processes `dynamo train` / `dynamo eval` start (ranks, vLLM's engine core and workers) are spawned, and spawn
 # imports this main module first: the console policy of the command reaches them before any library logs a line.
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # The top-level parser has no option but --help: the first word that is no option names the command.
     command = next((word for word in argv if not word.startswith("-")), "")
-    parser = build_parser(command)
+    with heap.start_up():  # the command's module and its libraries (torch for most) are imported here
+        parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)
     # argparse ends a positional list at the first option: `train cfg --resume a=b` leaves `a=b` over. Overrides
     # may come anywhere on the line, so key=value leftovers join the command's overrides.

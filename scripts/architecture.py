@@ -75,8 +75,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "what the trainer and the commands use: vLLM rollouts, benchmark evaluation, math rewards, run reports"),
     ("foundations", ("algorithms", "parallel", "models", "data"),
      "DynaMO maths, process groups, Qwen models and checkpoint formats, datasets and tokenizers"),
-    ("base", ("__init__", "config", "cpus", "library_logs"),
-     "standard-library helpers every layer may use: YAML config plumbing, CPU counts, library log routing"),
+    ("base", ("__init__", "config", "cpus", "heap", "library_logs"),
+     "standard-library helpers every layer may use: YAML config plumbing, CPU counts, the collector at start-up, "
+     "library log routing"),
 )
 NO_IMPORTS = {"algorithms": ("megatron", "vllm")}
 # A package here may import only these packages of the project (its own modules aside).

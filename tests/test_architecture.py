@@ -98,7 +98,7 @@ def test_planted_tree_fails_on_each_rule(tmp_path):
                              "megatron_dynamo.trainer.loop (trainer): up the layers"]
     assert sorted(report.forbidden) == [
         "checkpoints_convert/convert.py:3: checkpoints_convert.convert imports megatron_dynamo.trainer.loop "
-        "(checkpoints_convert/ imports only models, parallel, data, __init__, config, cpus, library_logs)",
+        "(checkpoints_convert/ imports only models, parallel, data, __init__, config, cpus, heap, library_logs)",
         "megatron_dynamo/algorithms/loss.py:2: megatron_dynamo.algorithms.loss imports "
         "megatron.core (algorithms/ imports no megatron, vllm)"]
     assert sorted(report.private) == sorted([

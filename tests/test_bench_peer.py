@@ -81,6 +81,27 @@ def test_summary_windows_and_medians():
     text = bench_peer.table("t", [(bench_peer.summarise(_trace(), records, "ours"), out)])
     assert "| step (median from step 3), s | 1.400 | 1.400 | 1.00x |" in text
     assert "|   weight_sync, s | 0.050 | 0.000 | - |" in text
+    assert "start-up phases" not in text  # the records hold none
+
+
+def test_table_names_the_machine_and_each_sides_start_up_phases():
+    import torch
+
+    def records(startup):
+        return [{"step": s, "step_seconds": 1.0, "reward_mean": 0.5, "response_length_mean": 3.0, "prompts_match": True,
+                 **(startup if s == 1 else {})} for s in range(1, 6)]
+
+    pairs = [(bench_peer.summarise(_trace(), records({"startup/launch": launch, "startup/engine": 3.0,
+                                                      "startup/total": launch + 4.0}), "ours"),
+              bench_peer.summarise(_trace(), records({"startup/imports": 2.0, "startup/total": 2.5}), "trl"))
+             for launch in (1.0, 2.0, 4.0)]
+    machine = bench_peer.machine_info()
+    assert machine["torch"] == torch.__version__ and machine["cpu_model"] and machine["cpus"] >= 1
+    text = bench_peer.table("t", pairs, machine)
+    assert text.splitlines()[2] == bench_peer.machine_line(machine)
+    assert f"{machine['cpu_model']}, {machine['cpus_usable']} of {machine['cpus']} cores" in text
+    assert ("start-up phases, s (median over pairs): ours launch 2.0 + engine 3.0 (total 6.0); "
+            "TRL imports 2.0 (total 2.5)") in text
 
 
 def test_a_child_tree_is_sampled(tmp_path):

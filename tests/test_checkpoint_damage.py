@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
 
@@ -65,6 +66,9 @@ def _damage_worker(rank, world_size, root):
         saved[step] = {n: p.detach().clone() for n, p in actor.named_parameters()}
         ckpt.save_checkpoint(root, step, actor.chunks, actor.optimizer, {"history": {"s": step}}, *args)
     out = {"manifest": json.load(open(os.path.join(root, "step_000002", "manifest.json")))}
+    # Megatron's write results stay in this process: no process was spawned to serve them (its writers are forked
+    # and gone once a save returns)
+    out["children"] = [" ".join(c.cmdline()) for c in psutil.Process().children()]
     cases = (dict(DAMAGE, partial_tmp=None, all_damaged=None, legacy=None) if world_size == 1
              else {"rank1_flipped": None})
     for case, spec in cases.items():
@@ -117,6 +121,7 @@ def test_each_kind_of_damage_falls_back_to_the_newest_intact_checkpoint(tmp_path
     from multiproc import run_on_ranks
 
     (out,) = run_on_ranks(_damage_worker, 1, str(tmp_path / "ckpt"))
+    assert out["children"] == []
     files = out["manifest"]["files"]
     assert {"trainer_state.json", "megatron_dynamo.json", "hf/config.json"} <= set(files)
     assert any(f.startswith("model/__0_") for f in files) and any(f.startswith("optimizer/__0_") for f in files)

@@ -184,6 +184,25 @@ def test_cache_verifies_each_pair_once(scorer):
     assert result.stats.num_verified == 3 and result.stats.cache_hits == 2
 
 
+def test_later_calls_reuse_verdicts_but_not_timeouts(monkeypatch):
+    from megatron_dynamo.reward import math_reward
+
+    monkeypatch.setattr(math_reward, "REMEMBERED_PAIRS", 3)
+    with MathRewardScorer(num_workers=1, timeout_seconds=1) as fresh:
+        responses, references = ["\\boxed{12}", "\\boxed{13}", POWER_TOWER], ["12", "12", "1"]
+        first = fresh.score(responses, references)
+        assert first.reasons == ["correct", "wrong", "timeout"] and first.stats.num_verified == 3
+        again = fresh.score(responses + ["\\boxed{12}"], references + ["12"])
+        assert again.reasons == first.reasons + ["correct"]
+        # the timeout goes to math-verify again (it may be the machine's load); the verdicts do not
+        assert again.stats.num_verified == 1 and again.stats.cache_hits == 3
+        # only the most recently used pairs are kept: two new ones push (12, 13), the oldest, out
+        fresh.score(["\\boxed{14}", "\\boxed{15}"], ["12", "12"])
+        last = fresh.score(["\\boxed{13}", "\\boxed{12}"], ["12", "12"])
+        assert last.reasons == ["wrong", "correct"]
+        assert last.stats.num_verified == 1 and last.stats.cache_hits == 1
+
+
 def test_minerva_candidates_from_the_data():
     from megatron_dynamo.data import load_math_jsonl
 

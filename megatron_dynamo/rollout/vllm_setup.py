@@ -1,11 +1,14 @@
 """What the vLLM engine (``rollout/vllm_engine.py``) needs before it starts: importing vLLM with an install hint,
-the engine's configuration (:class:`VLLMEngineConfig`, resolved per device), the launcher variables vLLM's external
-launcher reads (set for the start, restored after), the RNG states vLLM's start-up consumes (saved and put back, so
-training's random streams do not depend on whether an engine started), and the model shapes vLLM cannot serve on
-this device (:func:`check_engine_model`, also run before any rank starts)."""
+the engine's configuration (:class:`VLLMEngineConfig`, resolved per device), its start (:func:`start_llm`): the
+launcher variables vLLM's external launcher reads (set for the start, restored after), the RNG states vLLM's start-up
+consumes (saved and put back, so training's random streams do not depend on whether an engine started), the heap
+frozen first; the ``torch.compile`` stance of a generation (:func:`compile_stance`), and the model shapes vLLM cannot
+serve on this device (:func:`check_engine_model`, also run before any rank starts)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -13,6 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
+from megatron_dynamo.library_logs import NUMA_NOTICE, native_stderr_without
 from megatron_dynamo.models.qwen import UnsupportedModelConfig, parse_qwen_config
 from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES, free_port, local_rank
 from megatron_dynamo.parallel.topology import EngineLayout, check_at_least_one
@@ -174,3 +178,47 @@ def launch_environment(layout: EngineLayout) -> None:
     else:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+
+
+def start_llm(llm_class, kwargs: dict[str, Any], layout: EngineLayout, on_gpu: bool):
+    """``llm_class(**kwargs)`` (``vllm.LLM``) started in this process as this rank's part of a colocated engine:
+    the launcher variables set for the start (:func:`launch_environment`) and put back after it, and so are torch's
+    thread count (vLLM's CPU worker makes ``torch.set_num_threads`` a no-op for the whole process) and the global
+    RNG states (the engine seeds them): training shares the process and needs them as they were."""
+    saved_environment = {name: os.environ.get(name) for name in ENGINE_START_VARIABLES}
+    launch_environment(layout)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    rng = rng_states()
+    # vLLM ends its start-up by freezing the heap (gc.freeze), after 4-5 full collections on the way (model loading,
+    # memory profile): each walks every object of the process, most of them the imports' and the trainer's (2 s of
+    # the CPU default's 9 s start on 2 cores). Frozen now, they walk only what vLLM creates. On a GPU a collection
+    # first: no garbage cycle of the trainer's keeps device memory from vLLM's memory profile.
+    if on_gpu:
+        gc.collect()
+    gc.freeze()
+    try:
+        with native_stderr_without(NUMA_NOTICE):
+            return llm_class(**kwargs)
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        set_rng_states(rng)
+        for name, value in saved_environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def compile_stance(config: VLLMEngineConfig, on_gpu: bool):
+    """The ``torch.compile`` stance a generation runs under: ``force_eager`` on the CPU with ``enforce_eager`` (the
+    CPU default). vLLM's sampler compiles one helper even there (``batched_count_greater_than``: each sampled token's
+    rank among the log-probs, one comparison and a sum) with inductor, at the first generation that asks for
+    log-probs: 7-9 s of the CPU default's first step on 2 cores with an empty inductor cache (a new machine), 2 s
+    with a warm one, and no faster than eager afterwards (100 us a call either way for 256 rows of 128 tokens).
+    Elsewhere torch.compile runs as vLLM configured it."""
+    if on_gpu or not config.enforce_eager:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+

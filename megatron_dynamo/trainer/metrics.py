@@ -12,9 +12,11 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -81,6 +83,29 @@ class MetricsLogger:
             self._wandb = None
 
 
+class StartupClock:
+    """Where this rank's start-up went, logged with the first step it runs (``startup/`` metrics,
+    ``docs/metrics.md``): the seconds from this process's start to the trainer's construction (``launch``: the
+    interpreter, imports, the recipe, the launcher's checks), each phase timed by :meth:`phase`, and the ``total``
+    to the start of the first step."""
+
+    def __init__(self):
+        self.seconds = {"launch": time.time() - psutil.Process().create_time()}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """The ``startup/`` metrics, the total up to now (call it as the first step begins)."""
+        total = time.time() - psutil.Process().create_time()
+        return {**{f"startup/{name}": seconds for name, seconds in self.seconds.items()}, "startup/total": total}
+
+
 def start_wandb(cfg, output_dir: str, run_config: dict[str, Any] | None, resumed: bool, verbose: bool = False):
     """A W&B run for ``cfg`` (a WandbConfig): named after the output directory unless ``cfg.name``, files under
     ``<cfg.dir or output_dir>/wandb``. Its id is kept in ``<output_dir>/wandb_run_id``: a resumed run continues
@@ -127,8 +152,9 @@ def format_duration(seconds: float) -> str:
 class StepProgress:
     """The training console: one summary line per step (:func:`progress_line`) ending in the ETA (the mean time of
     the steps this process ran after its first, times the steps left; ``--:--`` after the first step, whose time
-    is mostly one-time start-up: vLLM's first generation compiles, 13.5 s of the CPU default's 14 s first step
-    against 0.8 s for the next ones, so an ETA from it said 14 minutes for a 50-s run), on stdout; on a terminal, also a tqdm bar of steps (with its
+    holds one-time start-up: the first generation's set-up, 1.3 s of the CPU default's first step against 0.35 s
+    for the next ones, and 14 s while vLLM compiled a sampler helper there, when an ETA from it said 14 minutes for
+    a 50-s run), on stdout; on a terminal, also a tqdm bar of steps (with its
     own rate and ETA) on stderr under the lines, gone when the run ends. Log records go through tqdm
     (``library_logs.progress_and_errors``), so they do not tear it. ``bar``: force the bar on or off (default: when stderr is a
     terminal)."""

@@ -29,7 +29,8 @@ from megatron_dynamo.trainer.checkpoint import (CheckpointSaveError, NoIntactChe
 from megatron_dynamo.trainer.config import RunConfig, eval_config
 # The run's errors and the rollout side's builders live beside it; importable from here too.
 from megatron_dynamo.trainer.errors import ResumeError, TrainingError, TrainingStopped  # noqa: F401
-from megatron_dynamo.trainer.metrics import MetricsLogger, MetricsLoggerError, format_duration, plot_reward_curve
+from megatron_dynamo.trainer.metrics import (MetricsLogger, MetricsLoggerError, StartupClock, format_duration,
+                                             plot_reward_curve)
 from megatron_dynamo.trainer.overlap import RemoteRollout, check_in_flight
 from megatron_dynamo.trainer.preflight import resolve_run_models
 from megatron_dynamo.trainer.rollout_producer import RolloutProducer
@@ -47,6 +48,7 @@ class Trainer:
     (``parallel.placement.join_job``; None: colocated engines, one in every rank)."""
 
     def __init__(self, run: RunConfig, resume: bool = False, groups=None):
+        self.startup = StartupClock()
         try:  # hub ids: their snapshots in the cache, never the network (the launcher's preflight resolved them)
             run = resolve_run_models(run, local_only=True)
         except ValueError as exc:
@@ -60,7 +62,8 @@ class Trainer:
         if not resume and list_checkpoints(self.checkpoint_root):
             raise TrainingError(f"{self.checkpoint_root} already holds checkpoints of an earlier run: pass --resume "
                                 "to continue it, or choose another trainer.output_dir (nothing was overwritten)")
-        self.info = runtime.init_distributed(run.parallel, seed=run.trainer.seed)
+        with self.startup.phase("distributed"):  # torch.distributed, Megatron's parallel state (and its import)
+            self.info = runtime.init_distributed(run.parallel, seed=run.trainer.seed)
         self.rank = dist.get_rank()
         self.resume_from = self._verified_resume_checkpoint() if resume else None
         if self.rank == 0:
@@ -110,8 +113,9 @@ class Trainer:
         self.examples = training_examples(run, self.tokenizer)  # before the model: too few prompts fail first
         self.sampler = PromptSampler(self.examples, seed=run.data.seed)
         hf_weights = hf_weight_source(run.model.checkpoint)
-        self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
-                                   sequence_parallel=run.parallel.sequence_parallel, moe=run.moe)
+        with self.startup.phase("model"):
+            self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
+                                       sequence_parallel=run.parallel.sequence_parallel, moe=run.moe)
         if run.model.checkpoint and hf_weights is None:  # a Megatron checkpoint: verified, then loaded
             try:
                 load_start_checkpoint(run.model.checkpoint, self.actor.chunks)
@@ -126,8 +130,9 @@ class Trainer:
                                         self.output_dir / "tokenizer" if self.rank == 0 else None)
         self.engine = self.scorer = producer = None
         if self.groups is None:  # colocated: this rank hosts its part of an engine
-            self.engine = create_engine(run, self.output_dir / "rollout_model", self.hf_config, self.tokenizer,
-                                        self.engine_max_len, sleep_mode=True)
+            with self.startup.phase("engine"):
+                self.engine = create_engine(run, self.output_dir / "rollout_model", self.hf_config, self.tokenizer,
+                                            self.engine_max_len, sleep_mode=True)
             self.scorer = create_scorer(run.reward, self.engine)
             producer = RolloutProducer(run, self.examples, self.engine, self.scorer, self.sampler, self.history,
                                        self.tokenizer, self.sampling)
@@ -144,7 +149,8 @@ class Trainer:
         all ranks agree on, with that step's checkpoint saved: :class:`TrainingStopped`."""
         run = self.run
         started = time.perf_counter()
-        start_step, in_flight = self._resume_or_warm_up()
+        with self.startup.phase("warmup"):  # the supervised warm-up, or the checkpoint of --resume
+            start_step, in_flight = self._resume_or_warm_up()
         resumed = self.resume_from is not None
         self.source = self._rollout_source()
         logger = self._metrics_logger(start_step if resumed else None) if self.rank == 0 else None
@@ -198,7 +204,9 @@ class Trainer:
         history = []
         try:
             # Every rank: the problems of an evaluation are split over all engines.
-            eval_metrics = self.source.start(start_step, in_flight, run.evaluation.at_start and start_step == 0)
+            with self.startup.phase("first_sync"):
+                eval_metrics = self.source.start(start_step, in_flight, run.evaluation.at_start and start_step == 0)
+            startup = self.startup.metrics()
             if eval_metrics and logger is not None:
                 logger.log(0, eval_metrics)
             if run.trainer.steps == 0 and self.resume_from is None:  # the warm-up alone: its model is the result
@@ -211,6 +219,8 @@ class Trainer:
                 set_learning_rate(self.actor, run.optim.lr * min(1.0, step / warmup) if warmup else run.optim.lr)
                 every = run.evaluation.every
                 metrics = self.source.step(step, bool(every) and (step % every == 0 or step == run.trainer.steps))
+                if step == start_step + 1:
+                    metrics.update(startup)
                 history.append(metrics)
                 if logger is not None:
                     logger.log(step, metrics)

@@ -8,6 +8,7 @@ TE's), so a checkpoint written here also serves the TE model on GPU.
 from __future__ import annotations
 
 import os
+import queue
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -147,9 +148,22 @@ def save_model_checkpoint(chunks: Sequence[torch.nn.Module], directory: str | os
     sharded = model_sharded_state_dict(chunks)
     if release_params:
         _stage_for_writing(sharded, chunks, max_item_bytes)
-    # Megatron's torch_dist writer forks two writer processes per rank (they share the model's pages) and, once
-    # per process, starts a spawn-context Manager for its results queue (~200 MB: it imports torch).
+    # Megatron's torch_dist writer forks two writer processes per rank (they share the model's pages).
+    write_results_in_process()
     dist_checkpointing.save(sharded, str(model_dir))
+
+
+def write_results_in_process() -> None:
+    """Megatron's torch_dist writer hands its write results to the saving process through a queue, by default one
+    served by a Manager process it starts with ``spawn`` at the first save (``filesystem_async.
+    _get_write_results_queue``): it imports torch to unpickle them, 200 MB of memory and 2-4 s of CPU, and lives
+    as long as the process. Our saves are synchronous (``dist_checkpointing.save``: the results are put and read
+    back in this process), so an in-process queue serves them. Not for Megatron's asynchronous saves, which hand
+    the queue to another process (never used here). Once per process, before the first save."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _flat_sharded(sharded: dict[str, Any]) -> list:
