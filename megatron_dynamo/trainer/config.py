@@ -112,10 +112,8 @@ class DataConfig:
             raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-
         if self.template not in list_templates():
             raise ValueError(f"template must be one of {list_templates()}, got {self.template!r}")
-
         if self.prompt_overflow not in PROMPT_OVERFLOW:
             raise ValueError(f"prompt_overflow must be one of {PROMPT_OVERFLOW}, got {self.prompt_overflow!r}")
         if not 0 <= self.max_overflow_share <= 1:
@@ -124,7 +122,6 @@ class DataConfig:
             raise ValueError(f"synthetic_problems must be >= 1, got {self.synthetic_problems}")
         if self.sft_problems < 0:
             raise ValueError(f"sft_problems must be >= 0 (0: the training prompts), got {self.sft_problems}")
-
         if self.sft_problems and self.train not in GENERATED_TASKS:
             raise ValueError(f"sft_problems draws problems from a generated task ({', '.join(GENERATED_TASKS)}); "
                              f"train is {self.train!r}: set sft_problems to 0")
@@ -143,6 +140,8 @@ class RolloutConfig:
         temperature {> 0}: the sampling temperature (log-probabilities and entropies use the same one).
         top_p {(0, 1]}: nucleus sampling's probability mass.
         max_response_tokens {>= 1}: the longest response, in tokens.
+        min_response_tokens {>= 0}: no end of turn (EOS or a stop token) before that many tokens (vLLM's
+            ``min_tokens``); at most ``max_response_tokens`` (benchmarks set both: every response that long).
         sleep_during_training: free vLLM's GPU memory between rollouts (vLLM's sleep mode).
         sleep_level: 2: the weights are dropped while asleep (every step reloads them); 1: offloaded to the host.
         offload_training_state: move Megatron's parameters, gradients and optimizer state to host memory while vLLM
@@ -166,6 +165,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_response_tokens: int = 8192
+    min_response_tokens: int = 0
     sleep_during_training: bool = True
     sleep_level: int = 2
     offload_training_state: bool = False
@@ -186,6 +186,9 @@ class RolloutConfig:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.max_response_tokens < 1:
             raise ValueError(f"max_response_tokens must be >= 1, got {self.max_response_tokens}")
+        if not 0 <= self.min_response_tokens <= self.max_response_tokens:
+            raise ValueError(f"min_response_tokens must lie in [0, max_response_tokens ({self.max_response_tokens})], "
+                             f"got {self.min_response_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.sleep_level not in (1, 2):

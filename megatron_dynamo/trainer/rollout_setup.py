@@ -89,7 +89,8 @@ def sampling_config(run, tokenizer, generation_config_to: Path | None = None):
     except (GenerationConfigError, OSError) as exc:
         raise TrainingError(str(exc)) from None
     return SamplingConfig(temperature=run.rollout.temperature, top_p=run.rollout.top_p,
-                          max_tokens=run.rollout.max_response_tokens, seed=run.trainer.seed, stop_token_ids=stop_ids,
+                          max_tokens=run.rollout.max_response_tokens, min_tokens=run.rollout.min_response_tokens,
+                          seed=run.trainer.seed, stop_token_ids=stop_ids,
                           routed_experts=run.moe.routing_replay == "rollout")
 
 
