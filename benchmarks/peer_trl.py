@@ -1,6 +1,7 @@
 """The peer side of ``benchmarks/bench_peer.py``: TRL's GRPOTrainer (transformers ``generate``, no vLLM) on the spec
 the benchmark writes (the same exported model, prompts in the same order, the same math reward, group size,
-optimizer, sampling and step count as ``dynamo train --algo grpo``).
+optimizer, sampling and step count as ``dynamo train --algo grpo``; the spec's ``min_response_tokens``, ours'
+``rollout.min_response_tokens``, is transformers' ``min_new_tokens``: no EOS before that many tokens).
 
     python benchmarks/peer_trl.py SPEC.json
 
@@ -144,7 +145,9 @@ def main(spec_path: str) -> int:
         adam_beta2=optim["adam_beta2"], adam_epsilon=optim["adam_eps"], weight_decay=optim["weight_decay"],
         max_grad_norm=optim["clip_grad"], lr_scheduler_type="constant", warmup_steps=0, beta=0.0, epsilon=0.2,
         epsilon_high=spec["clip_high"], loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
-        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        # rollout.min_response_tokens' twin: no EOS before that many tokens (transformers' MinNewTokensLength)
+        generation_kwargs={"min_new_tokens": spec["min_response_tokens"]} if spec.get("min_response_tokens") else None)
     trainer = TimedGRPO(model=model, reward_funcs=[math_reward], args=config, train_dataset=Dataset.from_list(rows),
                         processing_class=tokenizer, callbacks=[StepLog()])
     phase_done("trainer")
