@@ -159,6 +159,29 @@ def test_uneven_counts_stay_aligned_with_their_prompts(engine, tokenizer):
         assert raw.stats.counts["truncated"] == sum(r.truncated for r in responses)
 
 
+def test_texts_and_logprobs_match_vllms_own_outputs(engine, tokenizer):
+    """The engine asks vLLM for neither texts nor per-token log-prob dicts (it decodes once per call and reads flat
+    log-probs): both equal what vLLM's own detokenizer and dict log-probs give for the same seeded samples."""
+    requests = _synthetic_requests(tokenizer, _distinct_answer_examples(3), (3, 1, 4))
+    ours = engine.generate(requests, SamplingConfig(max_tokens=12, seed=11), step=2)
+    params = [engine._sampling_params(SamplingConfig(max_tokens=12, seed=11), r.count,
+                                      request_seed(11, 2, r.prompt_id), None) for r in requests]
+    for p in params:
+        p.detokenize, p.flat_logprobs = True, False
+    from megatron_dynamo.parallel import cpu_compat
+    from megatron_dynamo.rollout.vllm_setup import compile_stance
+
+    with cpu_compat.suspended(), compile_stance(engine.config, engine.on_gpu):  # as generate() calls vLLM
+        outputs = engine.llm.generate([{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests], params,
+                                      use_tqdm=False)
+    theirs = [c for o in outputs for c in sorted(o.outputs, key=lambda c: c.index)]
+    assert [r.token_ids for r in ours] == [tuple(c.token_ids) for c in theirs]
+    assert [r.text for r in ours] == [c.text for c in theirs]
+    assert any(r.text for r in ours)
+    assert [r.logprobs for r in ours] == [tuple(pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids))
+                                          for c in theirs]
+
+
 def test_zero_count_and_text_prompts(engine, tokenizer):
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than

@@ -6,6 +6,7 @@ and given its routed experts when the call records them (``rollout/routed_expert
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from megatron_dynamo.rollout.interface import GenerationRequest, GenerationResponse, SamplingConfig
 from megatron_dynamo.rollout.routed_experts import sample_request_id
@@ -48,7 +49,7 @@ def responses_of(request: GenerationRequest, request_id: str, output, seed: int 
         if sampling.logprobs:
             if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
                 raise RuntimeError(f"vLLM returned no log-probs (or the wrong number) for {request.prompt_id!r}")
-            logprobs = tuple(float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids))
+            logprobs = sampled_logprobs(completion.logprobs, token_ids, request.prompt_id)
         reason = completion.finish_reason
         if reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM finished a sample of {request.prompt_id!r} with reason {reason!r}")
@@ -58,6 +59,20 @@ def responses_of(request: GenerationRequest, request_id: str, output, seed: int 
         responses.append(GenerationResponse(
             prompt_id=request.prompt_id, sample_index=int(completion.index), prompt_token_ids=prompt_ids,
             token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
-            text=completion.text if sampling.detokenize else None,
             seed=None if seed is None else seed + int(completion.index), routed_experts=experts))
     return responses
+
+
+def sampled_logprobs(flat, token_ids: tuple[int, ...], prompt_id: str) -> tuple[float, ...]:
+    """The log-prob of each sampled token from vLLM's flat log-probs of one sample (``flat_logprobs``, asked with
+    ``logprobs=0``: one entry per position, the sampled token's)."""
+    if len(flat) != len(token_ids) or list(flat.start_indices) != list(range(len(token_ids))) \
+            or list(flat.token_ids) != list(token_ids):
+        raise RuntimeError(f"vLLM returned log-probs of other tokens for {prompt_id!r}")
+    return tuple(float(x) for x in flat.logprobs)
+
+
+def with_texts(responses: list[GenerationResponse], tokenizer) -> list[GenerationResponse]:
+    """``responses`` with their texts, decoded in one batch as vLLM's detokenizer would (special tokens skipped)."""
+    texts = tokenizer.batch_decode([list(r.token_ids) for r in responses], skip_special_tokens=True)
+    return [replace(r, text=text) for r, text in zip(responses, texts)]
