@@ -230,6 +230,22 @@ def check_model_layout(arch: QwenArchitecture, tensor_parallel: int, pipeline_pa
     check_moe_layout(arch.moe, tp, expert_parallel, expert_tensor_parallel)
 
 
+RECOMPUTE_MODES = ("off", "selective", "full")
+
+
+def recompute_kwargs(mode: str) -> dict[str, Any]:
+    """Megatron's activation recompute for ``trainer.recompute``: ``selective`` recomputes the core attention (its
+    scores and softmax, the activations that grow with the square of the sequence); ``full`` checkpoints every
+    transformer layer at its input and reruns it in the backward."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    if mode == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
 def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32", moe: MoEConfig | None = None,
                        **overrides):
     """The Megatron ``TransformerConfig`` of a Qwen architecture under the current parallel state.

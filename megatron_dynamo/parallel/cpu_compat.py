@@ -14,7 +14,8 @@ What it does:
   to the CPU, makes ``Tensor.cuda()`` return the tensor, and makes ``Tensor.type()`` report the CUDA type names
   megatron compares against. Torch function modes are thread-local: call :func:`install` in every thread that
   runs megatron code (it is idempotent per thread).
-- The tensor-parallel RNG tracker keeps CPU generator states, so ``get_cuda_rng_tracker().fork()`` works.
+- The tensor-parallel RNG tracker keeps CPU generator states, so ``get_cuda_rng_tracker().fork()`` works, and
+  activation recompute saves and restores the CPU generator where it would the CUDA one.
 - Mixture-of-experts layers (:func:`_patch_moe`): the router's linear without Transformer Engine, the alltoall token
   dispatcher's device-to-host event, and its split sizes handed to gloo's all-to-all.
 """
@@ -130,6 +131,19 @@ def _install_cpu_rng_tracker() -> None:
 
     mpu_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     mpu_random.initialize_rng_tracker(force_reset=True)
+    # Activation recompute (CheckpointFunction) saves and restores the "CUDA" generator beside the CPU one so that
+    # dropout repeats in the rerun: here both are the CPU generator.
+    mpu_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mpu_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # The rerun of the forward happens inside the backward, where the autograd engine runs without torch function
+    # modes: it gets this layer's mode back (the attention's causal mask is made with device="cuda").
+    rerun_backward = mpu_random.CheckpointFunction.backward
+
+    def backward(ctx, *grads):
+        with _CudaToCpuMode():
+            return rerun_backward(ctx, *grads)
+
+    mpu_random.CheckpointFunction.backward = staticmethod(backward)
 
 
 def _patch_moe() -> None:

@@ -22,6 +22,7 @@ from megatron_dynamo.data.prompt_length import PROMPT_OVERFLOW
 from megatron_dynamo.data.templates import list_templates
 from megatron_dynamo.eval.runner import EvalConfig
 from megatron_dynamo.models.checkpoint_io import CHECKPOINT_HF_DIR, is_model_checkpoint
+from megatron_dynamo.models.qwen import RECOMPUTE_MODES
 from megatron_dynamo.models.qwen_moe import MoEConfig
 from megatron_dynamo.parallel.runtime import ParallelConfig
 from megatron_dynamo.parallel.topology import check_at_least_one, check_placement
@@ -242,9 +243,7 @@ class DynamoConfig:
             raise ValueError(f"token_stats_chunk must be None or >= 1, got {self.token_stats_chunk}")
 
 
-# "auto": packed (no padding) where the layer spec has variable-length attention (Transformer Engine, THD);
-# true: also on the local spec (one row per micro-batch, block-diagonal causal mask); false: padded rows.
-PACK_SEQUENCES = ("auto", True, False)
+PACK_SEQUENCES = ("auto", True, False)  # TrainerConfig's docstring says what each means
 
 
 @dataclass(frozen=True)
@@ -273,6 +272,8 @@ class TrainerConfig:
         old_logprob_pass: auto leaves the old-log-prob forward out where the update's own forward
             gives the same numbers (one mini-batch, one epoch, no modulation or mini-batch token selection:
             ``trainer/old_logprobs.py``); always runs it every step.
+        recompute: activations rerun in the backward instead of kept: off; selective: the attention's scores and
+            softmax; full: each layer from its input (least memory, about one more forward; ``docs/update.md``).
         output_dir: where metrics, checkpoints and plots go; a new run needs a new one (give each ``--algo`` its
             own: ``trainer.output_dir=outputs/cpu_default-grpo``).
     """
@@ -286,6 +287,7 @@ class TrainerConfig:
     pack_sequences: bool | str = "auto"
     fused_output_layer: bool = True
     old_logprob_pass: str = "auto"
+    recompute: str = "off"
     sft_warmup_steps: int = 0
     sft_batch_size: int = 64
     sft_lr: float = 1e-3
@@ -293,17 +295,14 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
 
     def validate(self) -> None:
-        for name in ("mini_batch_prompts", "micro_batch_size", "ppo_epochs", "sft_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "warmup_steps", "sft_warmup_steps", "micro_batch_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.pack_sequences not in PACK_SEQUENCES:
-            raise ValueError(f"pack_sequences must be one of {PACK_SEQUENCES}, got {self.pack_sequences!r}")
-
-        if self.old_logprob_pass not in OLD_LOGPROB_PASSES:
-            raise ValueError(f"old_logprob_pass must be one of {OLD_LOGPROB_PASSES}, got {self.old_logprob_pass!r}")
+        for names, least in ((("mini_batch_prompts", "micro_batch_size", "ppo_epochs", "sft_batch_size"), 1),
+                             (("steps", "warmup_steps", "sft_warmup_steps", "micro_batch_tokens"), 0)):
+            for name in (name for name in names if getattr(self, name) < least):
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        for name, allowed in (("pack_sequences", PACK_SEQUENCES), ("old_logprob_pass", OLD_LOGPROB_PASSES),
+                              ("recompute", RECOMPUTE_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from megatron_dynamo.data.dataset import PromptSampler
 from megatron_dynamo.eval.runner import EvalError, build_prompts, load_benchmarks
 from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
 from megatron_dynamo.models.export import export_to_hf
-from megatron_dynamo.models.qwen import load_hf_config
+from megatron_dynamo.models.qwen import load_hf_config, recompute_kwargs
 from megatron_dynamo.parallel import runtime
 from megatron_dynamo.parallel.stop_signals import agreed_stop_signal, signal_name
 from megatron_dynamo.rollout.weight_sync import sync_weights
@@ -115,7 +115,8 @@ class Trainer:
         hf_weights = hf_weight_source(run.model.checkpoint)
         with self.startup.phase("model"):
             self.actor = MegatronActor(self.hf_config, dtype=run.model.dtype, optim=run.optim, hf_weights=hf_weights,
-                                       sequence_parallel=run.parallel.sequence_parallel, moe=run.moe)
+                                       sequence_parallel=run.parallel.sequence_parallel, moe=run.moe,
+                                       **recompute_kwargs(run.trainer.recompute))
         if run.model.checkpoint and hf_weights is None:  # a Megatron checkpoint: verified, then loaded
             try:
                 load_start_checkpoint(run.model.checkpoint, self.actor.chunks)
