@@ -54,7 +54,9 @@ samples, to ``benchmarks/results/bench_peer_<shape>.json`` (``pairs``: per pair 
                  response lengths stay put over the steps), 5 steps. Micro-batches: TRL's of 8 sequences; ours as
                  our GPU recipes run them, token budgets (``trainer.micro_batch_tokens``) of 8 longest sequences
                  (8 x (16 + 256)), the sequences binned longest first, so a micro-batch is padded to its own
-                 longest and not the step's (the responses' lengths range from a few tokens to 256)
+                 longest and not the step's (the responses' lengths range from a few tokens to 256). Both sides
+                 rerun every layer in the backward (ours ``trainer.recompute=full``; TRL's gradient checkpointing,
+                 its default). Elsewhere neither does: TRL's ``gradient_checkpointing`` follows our recompute
 
 ``--sweep``: step time against response length x model size, every response exactly the point's length on both
 sides (benchmarks/peer_sweep.py; its plot, benchmarks/peer_plot.py, goes to docs/results/peer_sweep.png).
@@ -86,7 +88,7 @@ SHAPES = {
               "overrides": ["model.config=configs/models/bench-qwen2-100m.json", "trainer.sft_warmup_steps=0",
                             "rollout.max_response_tokens=256"],
               "rl": ["data.prompts_per_step=4", "trainer.mini_batch_prompts=4", "trainer.micro_batch_size=8",
-                     "trainer.micro_batch_tokens=2176", "optim.lr=1e-6"],
+                     "trainer.micro_batch_tokens=2176", "optim.lr=1e-6", "trainer.recompute=full"],
               "steps": 5},
 }
 

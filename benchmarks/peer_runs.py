@@ -79,6 +79,8 @@ def peer_spec(run, hf: Path, steps: int, out: Path) -> dict:
             "top_p": run.rollout.top_p, "clip_low": run.dynamo.loss.clip_low, "clip_high": run.dynamo.loss.clip_high,
             "optim": {k: getattr(optim, k) for k in ("lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay",
                                                      "clip_grad")},
+            # TRL's GRPOConfig checkpoints every layer by default: it does so exactly when ours reruns every layer
+            "gradient_checkpointing": run.trainer.recompute == "full",
             "output_dir": str(out / "trl_out"), "step_log": str(out / "steps.jsonl")}
 
 

@@ -146,6 +146,7 @@ def main(spec_path: str) -> int:
         max_grad_norm=optim["clip_grad"], lr_scheduler_type="constant", warmup_steps=0, beta=0.0, epsilon=0.2,
         epsilon_high=spec["clip_high"], loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
         logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=spec["gradient_checkpointing"],  # as ours: trainer.recompute full, or off
         # rollout.min_response_tokens' twin: no EOS before that many tokens (transformers' MinNewTokensLength)
         generation_kwargs={"min_new_tokens": spec["min_response_tokens"]} if spec.get("min_response_tokens") else None)
     trainer = TimedGRPO(model=model, reward_funcs=[math_reward], args=config, train_dataset=Dataset.from_list(rows),
