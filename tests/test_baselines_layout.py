@@ -18,8 +18,8 @@ SMALL_BATCH = ["dynamo.loss.clip_cov_ratio=0.2", "dynamo.loss.clip_cov_lb=0.05",
 SELECTING = ("fork_tokens", "clip_cov", "kl_cov")
 ALL = ("clip_higher", "entropy_loss", "fork_tokens", "entropy_adv", "clip_cov", "kl_cov", "w_reinforce")
 PLANS = {
-    "rows64": ["trainer.micro_batch_size=64", "trainer.pack_sequences=false"],
-    "rows1": ["trainer.micro_batch_size=1", "trainer.pack_sequences=false"],
+    "rows64": ["trainer.micro_batch_size=64", "trainer.micro_batch_tokens=0", "trainer.pack_sequences=false"],
+    "rows1": ["trainer.micro_batch_size=1", "trainer.micro_batch_tokens=0", "trainer.pack_sequences=false"],
     "packed_tokens40": ["trainer.micro_batch_tokens=40", "trainer.pack_sequences=true"],
 }
 

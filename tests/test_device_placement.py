@@ -71,7 +71,8 @@ def _trainer_worker(rank, world_size, output_dir, overrides):
 
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={output_dir}", "trainer.sft_warmup_steps=2",
                                         "trainer.steps=1", "data.prompts_per_step=8", "trainer.mini_batch_prompts=4",
-                                        "trainer.micro_batch_size=4", "dynamo.allocation.n_avg=4",
+                                        "trainer.micro_batch_size=4", "trainer.micro_batch_tokens=0",
+                                        "dynamo.allocation.n_avg=4",
                                         "dynamo.allocation.n_min=2", "dynamo.allocation.n_max=6",
                                         "logging.tensorboard=false", "logging.plot=false", *overrides])
     from megatron_dynamo.parallel import runtime

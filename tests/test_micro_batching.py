@@ -182,14 +182,15 @@ def test_pipeline_token_plans_pad_only_to_one_shape_within_the_budget():
 # ---------------------------------------------------------------------------------------------- the real actor
 # name: (config overrides, micro-batches expected on a rank of a DP=1 run of the 7 samples, or None)
 LAYOUTS = {
-    "rows1": (["trainer.micro_batch_size=1", "trainer.pack_sequences=false"], 7),
-    "rows64": (["trainer.micro_batch_size=64", "trainer.pack_sequences=false"], 1),
+    "rows1": (["trainer.micro_batch_size=1", "trainer.micro_batch_tokens=0", "trainer.pack_sequences=false"], 7),
+    "rows64": (["trainer.micro_batch_size=64", "trainer.micro_batch_tokens=0", "trainer.pack_sequences=false"], 1),
     "tokens8": (["trainer.micro_batch_tokens=8", "trainer.pack_sequences=false"], 7),  # under every sequence
     "tokens40": (["trainer.micro_batch_tokens=40", "trainer.pack_sequences=false"], None),
     "tokens_huge": (["trainer.micro_batch_tokens=100000", "trainer.pack_sequences=false"], 1),
-    "packed_rows3": (["trainer.micro_batch_size=3", "trainer.pack_sequences=true"], 3),
+    "packed_rows3": (["trainer.micro_batch_size=3", "trainer.micro_batch_tokens=0", "trainer.pack_sequences=true"], 3),
     "packed_tokens40": (["trainer.micro_batch_tokens=40", "trainer.pack_sequences=true"], None),
-    "packed_rows64": (["trainer.micro_batch_size=64", "trainer.pack_sequences=true"], 1),
+    "packed_rows64": (["trainer.micro_batch_size=64", "trainer.micro_batch_tokens=0", "trainer.pack_sequences=true"],
+                      1),
 }
 
 

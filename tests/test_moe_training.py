@@ -168,8 +168,8 @@ def _rollout_replay_worker(rank, world_size, checkpoint):
     from megatron_dynamo.trainer.update import PolicyUpdater
 
     actor = _actor(checkpoint, "rollout")
-    updater = PolicyUpdater(load_run_config(CPU_DEFAULT, ["moe.routing_replay=rollout", "trainer.micro_batch_size=2"]),
-                            actor, 0)
+    updater = PolicyUpdater(load_run_config(CPU_DEFAULT, ["moe.routing_replay=rollout", "trainer.micro_batch_size=2",
+                                                          "trainer.micro_batch_tokens=0"]), actor, 0)
     batch = samples()
     micro = updater.micro_batches_for(batch)
     recording = RoutingPass(record=True)

@@ -19,7 +19,7 @@ from multiproc import run_on_ranks
 from samples import random_samples
 
 CPU_DEFAULT = f"{REPO}/configs/cpu_default.yaml"
-GRPO_ONE_MINI_BATCH = ["trainer.micro_batch_size=4", "optim.lr=0.01"]
+GRPO_ONE_MINI_BATCH = ["trainer.micro_batch_size=4", "trainer.micro_batch_tokens=0", "optim.lr=0.01"]
 
 
 def _samples(vocab: int):

@@ -60,8 +60,8 @@ def _samples(vocab: int, equal_counts: bool = False):
 
 
 PLANS = {
-    "rows64": ["trainer.micro_batch_size=64", "trainer.pack_sequences=false"],
-    "rows1": ["trainer.micro_batch_size=1", "trainer.pack_sequences=false"],
+    "rows64": ["trainer.micro_batch_size=64", "trainer.micro_batch_tokens=0", "trainer.pack_sequences=false"],
+    "rows1": ["trainer.micro_batch_size=1", "trainer.micro_batch_tokens=0", "trainer.pack_sequences=false"],
     "tokens12": ["trainer.micro_batch_tokens=12", "trainer.pack_sequences=false"],
     "packed_tokens40": ["trainer.micro_batch_tokens=40", "trainer.pack_sequences=true"],
 }

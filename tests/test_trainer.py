@@ -446,13 +446,14 @@ def test_tp2_pp2_and_dp2_runs_match_tp1(uninterrupted, tmp_path):
     # samples balanced over the DP ranks by tokens; under PP one shape for all micro-batches) or packed sequences
     # on the local spec (block-diagonal mask; under PP the padding tail as a segment of its own).
     layouts = {"tp1": _eval_args(tmp_path / "tp1"),
-               "tp2": ["parallel.tensor_parallel=2", "trainer.micro_batch_size=1"],
+               "tp2": ["parallel.tensor_parallel=2", "trainer.micro_batch_size=1", "trainer.micro_batch_tokens=0"],
                "pp2": ["parallel.pipeline_parallel=2", "trainer.pack_sequences=true", "trainer.micro_batch_tokens=96",
                        "dynamo.loss.engine_is=truncate"],
                "dp2": ["--nproc", "2", *_eval_args(tmp_path / "dp2"), "trainer.micro_batch_tokens=64",
                        "dynamo.loss.engine_is=mask"],
                "tp2_rollout_tp2": ["parallel.tensor_parallel=2", "rollout.tensor_parallel=2",
-                                   "trainer.pack_sequences=true", "trainer.micro_batch_size=5"]}
+                                   "trainer.pack_sequences=true", "trainer.micro_batch_size=5",
+                                   "trainer.micro_batch_tokens=0"]}
     runs = {name: _train(tmp_path / name, *common, *extra)[0] for name, extra in layouts.items()}
     rollouts = {name: (tmp_path / name / "rollouts.jsonl").read_text() for name in layouts}
     for step in ("step_000000", "step_000002"):

@@ -248,24 +248,24 @@ def build_micro_batches(groups: list[list[Sample]], pad_token_id: int, fixed_sha
 
 def padded_micro_batch(samples: list[Sample], pad_token_id: int, num_rows: int,
                        seq_len: int) -> UpdateBatch:
-    """``samples`` as the rows of [num_rows, seq_len] tensors (see the module docstring for the token layout)."""
-    input_ids = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
-    labels = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros((num_rows, seq_len), dtype=torch.float32)
-    advantages = torch.zeros(num_rows, dtype=torch.float32)
-    loss_weight = torch.zeros(num_rows, dtype=torch.float64)
-    sample_index = torch.full((num_rows,), -1, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        tokens = torch.tensor(sample.prompt_tokens + sample.response_tokens, dtype=torch.long)
-        n = tokens.numel() - 1
-        input_ids[row, :n] = tokens[:-1]
-        labels[row, :n] = tokens[1:]
-        loss_mask[row, len(sample.prompt_tokens) - 1:n] = 1.0
-        advantages[row] = sample.advantage
-        loss_weight[row] = sample.loss_weight
-        sample_index[row] = sample.index
-    return UpdateBatch(input_ids=input_ids, labels=labels, loss_mask=loss_mask, advantages=advantages,
-                       loss_weight=loss_weight, sample_index=sample_index,
+    """``samples`` as the rows of [num_rows, seq_len] tensors (see the module docstring for the token layout). The
+    rows are built as lists and become tensors at once: a few tensor operations a micro-batch, not seven a row."""
+    ids, labels, mask = [], [], []
+    for sample in samples:
+        tokens, start = sample.prompt_tokens + sample.response_tokens, len(sample.prompt_tokens) - 1
+        n = len(tokens) - 1
+        ids.append([*tokens[:-1], *[pad_token_id] * (seq_len - n)])
+        labels.append([*tokens[1:], *[pad_token_id] * (seq_len - n)])
+        mask.append([0.0] * start + [1.0] * (n - start) + [0.0] * (seq_len - n))
+    empty = num_rows - len(samples)
+    padding = [[pad_token_id] * seq_len] * empty
+    return UpdateBatch(input_ids=torch.tensor(ids + padding, dtype=torch.long).view(num_rows, seq_len),
+                       labels=torch.tensor(labels + padding, dtype=torch.long).view(num_rows, seq_len),
+                       loss_mask=torch.tensor(mask + [[0.0] * seq_len] * empty).view(num_rows, seq_len),
+                       advantages=torch.tensor([s.advantage for s in samples] + [0.0] * empty, dtype=torch.float32),
+                       loss_weight=torch.tensor([s.loss_weight for s in samples] + [0.0] * empty,
+                                                dtype=torch.float64),
+                       sample_index=torch.tensor([s.index for s in samples] + [-1] * empty, dtype=torch.long),
                        routed_experts=routed_experts_rows(samples, [(row, 0) for row in range(len(samples))],
                                                           (num_rows, seq_len)))
 
@@ -324,19 +324,16 @@ def packed_micro_batch(samples: list[Sample], pad_token_id: int, seq_multiple: i
                                                           (1, total)))
 
 
-def _response_positions(micro_batch: UpdateBatch) -> list[tuple[int, tuple]]:
-    """(sample index, index into the [B, S] / [1, T] tensors of its response positions) per real sequence."""
+def _response_counts(micro_batch: UpdateBatch) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The micro-batch's response positions (its loss mask as booleans) and (sample index, number of positions) per
+    real sequence, in the order its positions come in the mask (row-major: by row, or along the packed row)."""
     mask = micro_batch.loss_mask.bool()
-    out = []
-    token_row = micro_batch.token_row
-    for row, index in enumerate(micro_batch.sample_index.tolist()):
-        if index < 0:
-            continue
-        if token_row is None:
-            out.append((index, (row, mask[row].nonzero().squeeze(-1))))
-        else:
-            out.append((index, (0, (mask[0] & (token_row[0] == row)).nonzero().squeeze(-1))))
-    return out
+    indices = micro_batch.sample_index.tolist()
+    if micro_batch.token_row is None:
+        counts = mask.sum(dim=1).tolist()
+    else:
+        counts = torch.bincount(micro_batch.token_row[mask], minlength=len(indices)).tolist()
+    return mask, [(index, count) for index, count in zip(indices, counts) if index >= 0]
 
 
 def token_values(micro_batch: UpdateBatch, values: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -346,11 +343,16 @@ def token_values(micro_batch: UpdateBatch, values: dict[int, torch.Tensor] | Non
     device."""
     out = torch.zeros_like(micro_batch.loss_mask)
     if values is not None:
-        for index, position in _response_positions(micro_batch):
-            out[position] = values[index].to(device=out.device, dtype=out.dtype)
+        mask, counts = _response_counts(micro_batch)
+        if [len(values[index]) for index, _ in counts] != [count for _, count in counts]:
+            raise ValueError("token_values: a sample's values do not match its response positions")
+        if counts:
+            out[mask] = torch.cat([values[index] for index, _ in counts]).to(device=out.device, dtype=out.dtype)
     return out
 
 
 def gather_token_values(micro_batch: UpdateBatch, token_values: torch.Tensor) -> dict[int, torch.Tensor]:
     """Inverse of :func:`token_values`: ``{sample index: values at its response positions}``."""
-    return {index: token_values[position].detach() for index, position in _response_positions(micro_batch)}
+    mask, counts = _response_counts(micro_batch)
+    values = token_values[mask].detach().split([count for _, count in counts])
+    return {index: v for (index, _), v in zip(counts, values)}
