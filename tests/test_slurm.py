@@ -31,9 +31,12 @@ RECIPE = ["configs/cpu_default.yaml"]
 OVERRIDES = [f"trainer.steps={STEPS}", "trainer.sft_warmup_steps=10", "data.prompts_per_step=16",
              "trainer.mini_batch_prompts=16", "checkpoint.every=100", "logging.progress=false",
              "logging.plot=false", "logging.tensorboard=false"]
-# Keys that differ from run to run without meaning (wall-clock timings, throughput), and the weight transfer's
-# counts: engines on ranks of their own get no weights after the step a run stops at (they generate nothing more).
-TIMING = re.compile(r"^(time/|phase/|weight_sync/|.*seconds|.*per_s|.*_s$|perf/|throughput)")
+# Keys that differ from run to run without meaning (wall-clock timings, throughput, start-up phases), the weight
+# transfer's counts (engines on ranks of their own get no weights after the step a run stops at: they generate
+# nothing more), and the reward's cache counts (a resumed run starts with an empty cache of verdicts; the rewards
+# are the same).
+TIMING = re.compile(r"^(time/|startup/|phase/|weight_sync/|.*seconds|.*per_s|.*_s$|perf/|throughput|"
+                    r"reward/(cache_hits|num_verified)$)")
 
 
 def _slurm_state() -> str | None:

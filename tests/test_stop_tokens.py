@@ -130,6 +130,7 @@ def _built_trainer(monkeypatch, tmp_path, overrides, rank=0):
     from megatron_dynamo.parallel.topology import EngineLayout
     from megatron_dynamo.trainer import trainer as trainer_module
     from megatron_dynamo.trainer.config import load_run_config
+    from megatron_dynamo.trainer.metrics import StartupClock
     from megatron_dynamo.trainer.trainer import Trainer, build_tokenizer
 
     # The names as the trainer module holds them (imported at its top).
@@ -140,6 +141,7 @@ def _built_trainer(monkeypatch, tmp_path, overrides, rank=0):
     run = load_run_config(CPU_DEFAULT, [f"trainer.output_dir={tmp_path / 'run'}", *overrides])
     trainer = Trainer.__new__(Trainer)
     trainer.run, trainer.rank, trainer.output_dir = run, rank, tmp_path / "run"
+    trainer.startup = StartupClock()  # as __init__ makes it: _build times its phases
     trainer.hf_config, trainer.groups, trainer.engine_max_len = {"vocab_size": 128}, None, 256
     trainer.tokenizer = build_tokenizer(run, trainer.output_dir)
     trainer._build()
