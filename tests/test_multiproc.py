@@ -45,3 +45,35 @@ def test_ranks_share_the_cpus_this_process_may_use():
         assert run_on_ranks(_threads, 1) == [1]
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+@pytest.mark.distributed
+def test_no_other_socket_can_take_the_rendezvous_port_while_the_ranks_start(monkeypatch):
+    """The port the ranks meet at is bound before they are spawned and stays bound: a socket that tries to bind it
+    while they start (any connection's local port on a busy machine: CI once failed on EADDRINUSE) cannot, and the
+    ranks meet. A launcher that picks a free port and leaves rank 0 to bind it seconds later loses it here."""
+    import errno
+    import socket
+
+    from megatron_dynamo.parallel import spawn
+
+    start_processes = spawn.mp.start_processes
+    intruders, refused = [], []
+
+    def start_after_an_intruder(fn, args, **kwargs):
+        intruder = socket.socket()
+        try:
+            intruder.bind(("127.0.0.1", args[1]))  # args: (world_size, port, ...)
+            intruders.append(intruder)
+        except OSError as exc:
+            refused.append(exc.errno)
+            intruder.close()
+        return start_processes(fn, args=args, **kwargs)
+
+    monkeypatch.setattr(spawn.mp, "start_processes", start_after_an_intruder)
+    try:
+        assert run_on_ranks(_allreduce_rank, 2) == [3.0, 3.0]
+    finally:
+        for intruder in intruders:
+            intruder.close()
+    assert refused == [errno.EADDRINUSE]

@@ -29,7 +29,6 @@ import torch.multiprocessing as mp
 
 from megatron_dynamo.cpus import threads_per_rank
 from megatron_dynamo.parallel.process_guard import die_with_parent
-from megatron_dynamo.parallel.runtime import free_port
 from megatron_dynamo.parallel.stop_signals import forward_signals, received
 
 
@@ -57,8 +56,11 @@ def _worker(rank, world_size, port, out_dir, fn, args, parent_pid=None, user_err
     with contextlib.suppress(OSError):
         os.setsid()  # signals for the parent's process group (Ctrl-C) are the parent's: it forwards what ranks need
     die_with_parent(signal.SIGKILL, parent_pid)
+    # The parent serves the rendezvous store (_serve_store): every rank, rank 0 too, connects to it as a client,
+    # the way torchrun's ranks connect to its agent's store.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     # Share this process's cores (its affinity, e.g. one `dynamo ablate --jobs` slot) between the ranks instead of
     # each rank taking them all.
     torch.set_num_threads(threads_per_rank(world_size))
@@ -109,6 +111,14 @@ def _wait_for_ranks(processes, stop_grace: float) -> None:
         wait([p.sentinel for p in running], timeout=0.5)
 
 
+def _serve_store(world_size: int) -> dist.TCPStore:
+    """The job's rendezvous store, served by this process while the ranks run. The kernel picks its port as it
+    binds, so nothing can take the port first: a port found free here and bound by rank 0 seconds later (once the
+    spawned child has imported torch) can meanwhile become the local port of any connection on the machine
+    (EADDRINUSE)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
 def run_on_ranks(fn, world_size: int, *args, user_errors: tuple[type[BaseException], ...] = (),
                  forward=(), stop_grace: float = 60.0, init_group: bool = True):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the list of results by rank.
@@ -118,8 +128,8 @@ def run_on_ranks(fn, world_size: int, *args, user_errors: tuple[type[BaseExcepti
     ``forward``: signals this process sends on to the ranks while they run (main thread only); after one, ranks
     still running when another failed get ``stop_grace`` seconds to finish before they are killed."""
     with tempfile.TemporaryDirectory() as out_dir:
-        port = free_port()
-        context = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, os.getpid(),
+        store = _serve_store(world_size)
+        context = mp.start_processes(_worker, args=(world_size, store.port, out_dir, fn, args, os.getpid(),
                                                     user_errors, init_group),
                                      nprocs=world_size, join=False, start_method="spawn")
         processes = context.processes

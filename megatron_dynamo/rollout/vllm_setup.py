@@ -175,9 +175,10 @@ def launch_environment(layout: EngineLayout) -> None:
         if "MASTER_PORT" not in os.environ:
             raise RuntimeError("torch.distributed is initialised without MASTER_PORT in the environment: vLLM's "
                                "external launcher needs MASTER_ADDR and MASTER_PORT")
-    else:
+    else:  # vLLM's one-rank group serves its own store, not a launcher's (TORCHELASTIC_USE_AGENT_STORE)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
 
 
 def start_llm(llm_class, kwargs: dict[str, Any], layout: EngineLayout, on_gpu: bool):
