@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dynamo.models.config_errors import UnsupportedModelConfig, require_field
+from megatron_dynamo.models.local_kernels import LocalRMSNorm, SequenceParallelRMSNorm, install_rotary
 from megatron_dynamo.models.qwen_moe import (MoEArchitecture, MoEConfig, check_moe_layout, moe_architecture_kwargs,
                                              parse_moe_config)
 
@@ -280,7 +281,9 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
         # Megatron-LM), which megatron-core's wheel lacks: asked for without them, the first forward fails on their
         # import. TE's attention does its own softmax and ignores the flag.
         masked_softmax_fusion=on_gpu and fused_softmax_kernels_importable(),
-        apply_rope_fusion=False,
+        # Megatron's fused-rotary hook: Transformer Engine's kernel where TE is installed (left unused, as it was),
+        # else this package's (models/local_kernels.py; the CPU's update faster).
+        apply_rope_fusion=install_rotary(),
         # apex's persistent LayerNorm kernel: Qwen normalises with RMSNorm, and Megatron's torch norm (the local
         # spec) refuses the flag outright.
         persist_layer_norm=False,
@@ -299,46 +302,43 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
     return TransformerConfig(**kwargs)
 
 
-class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm for the local spec under sequence parallelism (Megatron's own torch norm refuses it).
-
-    Each TP rank normalises its slice of the sequence with the full (replicated) weight, so the weight's gradient
-    is a partial sum per rank; the ``sequence_parallel`` attribute makes Megatron's ``finalize_model_grads``
-    all-reduce it over the TP group, as it does for Transformer Engine's norms."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
-
-
 def layer_spec(arch: QwenArchitecture, use_te: bool | None = None, config=None, vp_stage: int | None = None):
-    """The TE layer spec when TE is usable (or ``use_te=True``), else Megatron's pure-PyTorch local spec. A
-    mixture-of-experts model (which needs its ``config``) gets a block spec of this stage's layers, dense or MoE as
-    ``config.moe_layer_freq`` says. With a ``config`` asking for sequence parallelism, the local spec becomes a block
-    spec whose norms (each layer's and the final one) are :class:`SequenceParallelRMSNorm`."""
+    """The TE layer spec when TE is usable (or ``use_te=True``), else a block spec of Megatron's pure-PyTorch local
+    layers whose norms are :class:`~megatron_dynamo.models.local_kernels.LocalRMSNorm` (each layer's, the final
+    one, Qwen3's query/key norms), or under sequence parallelism ``SequenceParallelRMSNorm`` for the first two. A
+    mixture-of-experts model gets a block spec of this stage's layers, dense or MoE as ``config.moe_layer_freq``
+    says. Every spec but the dense TE one needs the model's ``config``."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     use_te = te_available() if use_te is None else use_te
+    if use_te and arch.moe is None:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    if config is None:
+        raise ValueError("layer_spec: the local spec and mixture-of-experts models need their TransformerConfig")
     if arch.moe is not None:
-        if config is None:
-            raise ValueError("layer_spec: a mixture-of-experts model needs its TransformerConfig (the layer pattern)")
         block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                            normalization="RMSNorm", vp_stage=vp_stage)
-        layers = block.layer_specs
-    elif use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        if use_te:
+            return block
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-        if config is None or not config.sequence_parallel:
-            return spec
-        block, layers = None, [spec] * get_num_layers_to_build(config, vp_stage)
-    if use_te or config is None or not config.sequence_parallel:
-        return block
-    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm))
-        for layer in layers]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
+        block = TransformerBlockSubmodules(layer_specs=[gpt_layer_specs.get_gpt_layer_local_spec(
+            qk_layernorm=arch.qk_norm, normalization="RMSNorm")] * get_num_layers_to_build(config, vp_stage))
+    norm = SequenceParallelRMSNorm if config.sequence_parallel else LocalRMSNorm
+    return dataclasses.replace(block, layer_specs=[_with_norm(layer, norm) for layer in block.layer_specs],
+                               layer_norm=norm)
+
+
+def _with_norm(layer, norm):
+    """A local layer spec with ``norm`` for its input and pre-MLP norms and LocalRMSNorm for query/key norms."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    attention = layer.submodules.self_attention
+    qk_norms = {name: LocalRMSNorm for name in ("q_layernorm", "k_layernorm")
+                if getattr(attention.submodules, name) is not IdentityOp}
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **qk_norms))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attention))
 
 
 def build_gpt_model(arch: QwenArchitecture | dict[str, Any] | str, dtype: str | torch.dtype = "fp32",

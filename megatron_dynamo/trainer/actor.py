@@ -122,6 +122,7 @@ class MegatronActor(MegatronModel):
             bf16=self.config.bf16, params_dtype=self.config.params_dtype,
             use_distributed_optimizer=optim.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
+        _fuse_torch_adam(self.optimizer)
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -159,3 +160,18 @@ class MegatronActor(MegatronModel):
         ok = optimizer.step_with_ready_grads()
         self.zero_grad()
         return StepResult(bool(ok), grad_norm)
+
+
+def _fuse_torch_adam(optimizer) -> None:
+    """torch's Adam/AdamW, Megatron's optimizer where neither Transformer Engine nor apex is installed, in torch's
+    fused form where every parameter is on the CPU: one kernel per parameter in place of a dozen elementwise ops
+    (the same update up to float rounding). GPU optimizers (TE's or apex's FusedAdam) are left as they are."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if not isinstance(adam, torch.optim.Adam):
+            continue
+        if all(p.device.type == "cpu" for group in adam.param_groups for p in group["params"]):
+            adam.defaults.update(fused=True, foreach=False)
+            for group in adam.param_groups:
+                group.update(fused=True, foreach=False)
+
