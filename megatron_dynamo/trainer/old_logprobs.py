@@ -24,7 +24,6 @@ and measures the gap between the two.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -116,19 +115,17 @@ def scatter_engine_logprobs(samples: list[Sample], plans, last_stage: bool, engi
     """The engine's log-probs of the sampled tokens into every micro-batch (``engine_logp``, beside ``old_logp``:
     ``dynamo.loss.engine_is`` weighs the loss with them). False when the engine gave no log-probs (every rank holds
     the same rollout, so all agree); then ``engine_is`` other than off is an error."""
-    engine = {}
-    for s in samples:
-        values = torch.tensor(s.engine_logp if s.engine_logp is not None else [math.nan] * s.num_response_tokens,
-                              dtype=torch.float32)
-        if values.numel() != s.num_response_tokens or not bool(torch.isfinite(values).all()):
-            engine = None
-            break
-        engine[s.index] = values
-    if engine is None or not samples:
+    lengths = [s.num_response_tokens for s in samples]
+    complete = bool(samples) and all(s.engine_logp is not None and len(s.engine_logp) == n
+                                     for s, n in zip(samples, lengths))
+    # One tensor and one finiteness check for the whole rollout, split into per-sample views
+    flat = torch.tensor([v for s in samples for v in s.engine_logp], dtype=torch.float32) if complete else None
+    if flat is None or not bool(torch.isfinite(flat).all()):
         if engine_is != "off":
             raise RolloutError("dynamo.loss.engine_is needs the engine's log-prob of every sampled token; "
                                "the engine returned none")
         return False
+    engine = dict(zip((s.index for s in samples), flat.split(lengths)))
     scatter_into_plans(plans, engine, "engine_logp", last_stage)
     return True
 

@@ -131,9 +131,10 @@ class StepRunner:
                                    normalize_std=run.dynamo.normalize_advantage_std)
             weights = prompt_weights(response_ids, run.dynamo.loss.prompt_weight)
             routed = rollout.routed_experts or [None] * len(responses)  # the engine's (moe.routing_replay: rollout)
-            samples = [Sample(i, pid, tuple(ptoks), tuple(rtoks), rewards[i], float(advantages[i]),
-                              engine_logp=rollout.logprobs[i], loss_weight=float(weights[i]),
-                              routed_experts=routed[i])
+            # one conversion each, not one per sample (an estimator may return any sequence of numbers)
+            advantages, weights = torch.as_tensor(advantages, dtype=torch.float64).tolist(), weights.tolist()
+            samples = [Sample(i, pid, tuple(ptoks), tuple(rtoks), rewards[i], advantages[i],
+                              engine_logp=rollout.logprobs[i], loss_weight=weights[i], routed_experts=routed[i])
                        for i, (pid, ptoks, rtoks) in enumerate(responses) if len(rtoks) > 0]
         if rank == 0:
             self._append_rows("prompts.jsonl", batch.step,
