@@ -7,7 +7,8 @@ Engine ranks -> trainer ranks, on ``batches`` (the first engine rank broadcasts 
 
 Trainer ranks -> engine ranks, on ``control`` (the first trainer rank broadcasts to every engine rank): ``INIT``
 (where the run starts: the data position, the prompt history, which batches to generate; then the weights),
-``WEIGHTS`` (a new policy version, streamed one tensor at a time), ``STOP``.
+``WEIGHTS`` (a new policy version, streamed in ``BUCKET`` messages of up to :data:`BUCKET_BYTES`, then ``END``),
+``STOP``.
 
 Every message is a fixed-size int64 header (kind, integers, then each tensor's dtype and size) followed by its
 tensors, each a broadcast of its own; JSON travels as UTF-8 bytes. Nothing is pickled. Both sides follow one
@@ -18,6 +19,7 @@ collective waits for one that never comes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -26,9 +28,9 @@ import torch
 from megatron_dynamo.parallel.placement import BridgeGroup
 from megatron_dynamo.rollout.rollout_batch import TENSOR_NAMES, RolloutBatch, tensor_text, text_tensor
 
-BATCH, EVAL, DONE, ERROR, INIT, WEIGHTS, STOP, TENSOR, END, READY = range(1, 11)
+BATCH, EVAL, DONE, ERROR, INIT, WEIGHTS, STOP, BUCKET, END, READY = range(1, 11)
 KIND_NAMES = {BATCH: "BATCH", EVAL: "EVAL", DONE: "DONE", ERROR: "ERROR", INIT: "INIT", WEIGHTS: "WEIGHTS",
-              STOP: "STOP", TENSOR: "TENSOR", END: "END", READY: "READY"}
+              STOP: "STOP", BUCKET: "BUCKET", END: "END", READY: "READY"}
 HEADER_SIZE = 40
 DTYPES = (torch.int64, torch.float64, torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.int32,
           torch.int16)
@@ -163,29 +165,66 @@ def receive_control(bridge: BridgeGroup) -> Control:
     return Control(message.kind, version, generate_until, bool(evaluate), state)
 
 
-def send_weights(bridge: BridgeGroup, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-    """The root's half of a weight stream: each ``(hf_name, full tensor)`` as one ``TENSOR`` message (name bytes,
-    shape, data), then ``END``. Returns (bytes, tensors) sent."""
-    sent_bytes = count = 0
+# A weight bucket: tensors' bytes back to back (each at a multiple of ALIGN, so each is a view of its own dtype)
+BUCKET_BYTES = 128 * 2**20
+ALIGN = 16
+
+
+def _send_bucket(bridge: BridgeGroup, entries: list[tuple[str, torch.Tensor]], size: int) -> None:
+    data = torch.empty(size, dtype=torch.uint8, device=bridge.device)
+    index, offset = [], 0
+    for name, tensor in entries:
+        nbytes = tensor.numel() * tensor.element_size()
+        data[offset:offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        index.append([name, CODE_OF[tensor.dtype], list(tensor.shape), offset])
+        offset += -(-nbytes // ALIGN) * ALIGN
+    send(bridge, BUCKET, [], [json_tensor(index), data])
+
+
+def send_weights(bridge: BridgeGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 bucket_bytes: int = BUCKET_BYTES) -> tuple[int, int]:
+    """The root's half of a weight stream: the ``(hf_name, full tensor)`` pairs packed into ``BUCKET`` messages of
+    up to ``bucket_bytes`` (a larger tensor alone in one), then ``END``. One broadcast per bucket instead of three per
+    tensor, and the receiver reads one message ahead, so this returns once the data is across, not once the engine
+    has loaded it. Returns (bytes, tensors) sent."""
+    sent_bytes = count = size = 0
+    entries: list[tuple[str, torch.Tensor]] = []
     for name, tensor in named_tensors:
-        send(bridge, TENSOR, list(tensor.shape), [text_tensor(name), tensor.detach()])
+        padded = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        if entries and size + padded > bucket_bytes:
+            _send_bucket(bridge, entries, size)
+            entries, size = [], 0
+        entries.append((name, tensor))
+        size += padded
         sent_bytes += tensor.numel() * tensor.element_size()
         count += 1
+    if entries:
+        _send_bucket(bridge, entries, size)
     send(bridge, END)
     return sent_bytes, count
 
 
+def _bucket_tensors(message: Message) -> list[tuple[str, torch.Tensor]]:
+    index, data = tensor_json(message.tensors[0]), message.tensors[1]
+    tensors = []
+    for name, code, shape, offset in index:
+        dtype = DTYPES[code]
+        nbytes = math.prod(shape) * dtype.itemsize
+        tensors.append((name, data[offset:offset + nbytes].view(dtype).reshape(shape)))
+    return tensors
+
+
 def receive_weights(bridge: BridgeGroup) -> Iterator[tuple[str, torch.Tensor]]:
-    """The receiving half: ``(hf_name, tensor)`` on the bridge's device until ``END``. Iterate it to the end (see
-    :func:`drain`), or the group falls out of step."""
-    while True:
+    """The receiving half: ``(hf_name, tensor)`` on the bridge's device until ``END``, each a view into its bucket.
+    Each bucket's next message is received before its tensors are handed out (the sender is not held while they
+    load). Iterate it to the end (see :func:`drain`), or the group falls out of step."""
+    message = receive(bridge)
+    while message.kind != END:
+        if message.kind != BUCKET:
+            raise RuntimeError(f"rollout channel: expected weights, got {KIND_NAMES[message.kind]}")
+        tensors = _bucket_tensors(message)
         message = receive(bridge)
-        if message.kind == END:
-            return
-        if message.kind != TENSOR:
-            raise RuntimeError(f"rollout channel: expected a weight tensor, got {KIND_NAMES[message.kind]}")
-        name, data = message.tensors
-        yield tensor_text(name), data.reshape(message.ints)
+        yield from tensors
 
 
 def drain(stream: Iterator) -> None:

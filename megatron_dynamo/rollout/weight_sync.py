@@ -55,7 +55,7 @@ def sync_weights(engine, model: Any, arch: Any = None, *, dtype: torch.dtype | N
 def send_weights_to_engine_ranks(control, model, *, dtype: torch.dtype | None = None) -> WeightUpdateStats:
     """Collective over the trainer ranks (``rollout.placement: separate``): export the live weights to the first
     trainer rank (TP/PP gathered there, ``dst_rank=0``), which streams them to every engine rank over the
-    ``control`` bridge group, one tensor at a time (``rollout.channel``). ``control``: the bridge on the first
+    ``control`` bridge group in buckets (``rollout.channel``). ``control``: the bridge on the first
     trainer rank, None on the others (they only drive the gather)."""
     import time
 
