@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dynamo.models.config_errors import UnsupportedModelConfig, require_field
+from megatron_dynamo.models.local_attention import ScaledDotProductAttention
 from megatron_dynamo.models.local_kernels import LocalRMSNorm, SequenceParallelRMSNorm, install_rotary
 from megatron_dynamo.models.qwen_moe import (MoEArchitecture, MoEConfig, check_moe_layout, moe_architecture_kwargs,
                                              parse_moe_config)
@@ -304,8 +305,9 @@ def transformer_config(arch: QwenArchitecture, dtype: str | torch.dtype = "fp32"
 
 def layer_spec(arch: QwenArchitecture, use_te: bool | None = None, config=None, vp_stage: int | None = None):
     """The TE layer spec when TE is usable (or ``use_te=True``), else a block spec of Megatron's pure-PyTorch local
-    layers whose norms are :class:`~megatron_dynamo.models.local_kernels.LocalRMSNorm` (each layer's, the final
-    one, Qwen3's query/key norms), or under sequence parallelism ``SequenceParallelRMSNorm`` for the first two. A
+    layers with torch's SDPA as core attention and norms that are
+    :class:`~megatron_dynamo.models.local_kernels.LocalRMSNorm` (each layer's, the final one, Qwen3's query/key
+    norms), or under sequence parallelism ``SequenceParallelRMSNorm`` for the first two. A
     mixture-of-experts model gets a block spec of this stage's layers, dense or MoE as ``config.moe_layer_freq``
     says. Every spec but the dense TE one needs the model's ``config``."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -330,13 +332,15 @@ def layer_spec(arch: QwenArchitecture, use_te: bool | None = None, config=None, 
 
 
 def _with_norm(layer, norm):
-    """A local layer spec with ``norm`` for its input and pre-MLP norms and LocalRMSNorm for query/key norms."""
+    """A local layer spec with ``norm`` for its input and pre-MLP norms, LocalRMSNorm for query/key norms and
+    torch's SDPA for the core attention (models/local_attention.py)."""
     from megatron.core.transformer.identity_op import IdentityOp
 
     attention = layer.submodules.self_attention
     qk_norms = {name: LocalRMSNorm for name in ("q_layernorm", "k_layernorm")
                 if getattr(attention.submodules, name) is not IdentityOp}
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **qk_norms))
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=ScaledDotProductAttention, **qk_norms))
     return dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attention))
 
