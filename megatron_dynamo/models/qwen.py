@@ -327,11 +327,11 @@ def layer_spec(arch: QwenArchitecture, use_te: bool | None = None, config=None, 
         block = TransformerBlockSubmodules(layer_specs=[gpt_layer_specs.get_gpt_layer_local_spec(
             qk_layernorm=arch.qk_norm, normalization="RMSNorm")] * get_num_layers_to_build(config, vp_stage))
     norm = SequenceParallelRMSNorm if config.sequence_parallel else LocalRMSNorm
-    return dataclasses.replace(block, layer_specs=[_with_norm(layer, norm) for layer in block.layer_specs],
+    return dataclasses.replace(block, layer_specs=[_local_layer(layer, norm) for layer in block.layer_specs],
                                layer_norm=norm)
 
 
-def _with_norm(layer, norm):
+def _local_layer(layer, norm):
     """A local layer spec with ``norm`` for its input and pre-MLP norms, LocalRMSNorm for query/key norms and
     torch's SDPA for the core attention (models/local_attention.py)."""
     from megatron.core.transformer.identity_op import IdentityOp

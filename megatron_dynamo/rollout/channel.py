@@ -170,14 +170,18 @@ BUCKET_BYTES = 128 * 2**20
 ALIGN = 16
 
 
+def _aligned(nbytes: int) -> int:
+    """The room ``nbytes`` take in a bucket: the next multiple of ALIGN."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _send_bucket(bridge: BridgeGroup, entries: list[tuple[str, torch.Tensor]], size: int) -> None:
     data = torch.empty(size, dtype=torch.uint8, device=bridge.device)
     index, offset = [], 0
     for name, tensor in entries:
-        nbytes = tensor.numel() * tensor.element_size()
-        data[offset:offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        data[offset:offset + tensor.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         index.append([name, CODE_OF[tensor.dtype], list(tensor.shape), offset])
-        offset += -(-nbytes // ALIGN) * ALIGN
+        offset += _aligned(tensor.nbytes)
     send(bridge, BUCKET, [], [json_tensor(index), data])
 
 
@@ -190,13 +194,13 @@ def send_weights(bridge: BridgeGroup, named_tensors: Iterable[tuple[str, torch.T
     sent_bytes = count = size = 0
     entries: list[tuple[str, torch.Tensor]] = []
     for name, tensor in named_tensors:
-        padded = -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-        if entries and size + padded > bucket_bytes:
+        room = _aligned(tensor.nbytes)
+        if entries and size + room > bucket_bytes:
             _send_bucket(bridge, entries, size)
             entries, size = [], 0
         entries.append((name, tensor))
-        size += padded
-        sent_bytes += tensor.numel() * tensor.element_size()
+        size += room
+        sent_bytes += tensor.nbytes
         count += 1
     if entries:
         _send_bucket(bridge, entries, size)

@@ -174,4 +174,3 @@ def _fuse_torch_adam(optimizer) -> None:
             adam.defaults.update(fused=True, foreach=False)
             for group in adam.param_groups:
                 group.update(fused=True, foreach=False)
-
