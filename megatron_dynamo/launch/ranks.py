@@ -13,6 +13,7 @@ import os
 import torch
 
 from megatron_dynamo import heap, library_logs
+from megatron_dynamo.models.local_linear import bound_primitive_cache
 from megatron_dynamo.parallel.placement import JobGroups, join_job
 from megatron_dynamo.parallel.process_guard import children_in_own_session, start_guard
 from megatron_dynamo.parallel.runtime import detect_launch, launched_externally
@@ -60,6 +61,7 @@ def train_on_rank(rank: int, world_size: int, topology: JobTopology, run, resume
     next step boundary (see ``Trainer.train``); the processes it starts (vLLM, reward workers) run in sessions of their
     own so that Ctrl-C reaches the trainer only."""
     library_logs.progress_and_errors(logging.INFO if rank == 0 else logging.WARNING)
+    bound_primitive_cache()  # before this rank's first oneDNN kernel (its linear layers', vLLM's)
     if not run.logging.verbose:
         # Megatron logs every parameter name and its optimizer config at INFO: keep our progress line readable.
         for noisy in ("megatron", "megatron.core", "vllm"):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from megatron_dynamo.models.config_errors import UnsupportedModelConfig, require_field
 from megatron_dynamo.models.local_attention import ScaledDotProductAttention
 from megatron_dynamo.models.local_kernels import LocalRMSNorm, SequenceParallelRMSNorm, install_rotary
+from megatron_dynamo.models.local_linear import local_linear_layers
 from megatron_dynamo.models.qwen_moe import (MoEArchitecture, MoEConfig, check_moe_layout, moe_architecture_kwargs,
                                              parse_moe_config)
 
@@ -332,17 +333,24 @@ def layer_spec(arch: QwenArchitecture, use_te: bool | None = None, config=None, 
 
 
 def _local_layer(layer, norm):
-    """A local layer spec with ``norm`` for its input and pre-MLP norms, LocalRMSNorm for query/key norms and
-    torch's SDPA for the core attention (models/local_attention.py)."""
+    """A local layer spec with ``norm`` for its input and pre-MLP norms, LocalRMSNorm for query/key norms, torch's
+    SDPA for the core attention (models/local_attention.py) and linear layers whose CPU product is oneDNN's
+    (models/local_linear.py)."""
     from megatron.core.transformer.identity_op import IdentityOp
 
+    column, row = local_linear_layers()
     attention = layer.submodules.self_attention
     qk_norms = {name: LocalRMSNorm for name in ("q_layernorm", "k_layernorm")
                 if getattr(attention.submodules, name) is not IdentityOp}
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, core_attention=ScaledDotProductAttention, **qk_norms))
+        attention.submodules, core_attention=ScaledDotProductAttention, linear_qkv=column, linear_proj=row,
+        **qk_norms))
+    mlp = layer.submodules.mlp
+    if hasattr(mlp.submodules, "linear_fc1"):  # a dense MLP (an MoE layer's experts keep Megatron's layers)
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=column,
+                                                                      linear_fc2=row))
     return dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attention))
+        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attention, mlp=mlp))
 
 
 def build_gpt_model(arch: QwenArchitecture | dict[str, Any] | str, dtype: str | torch.dtype = "fp32",
