@@ -253,7 +253,9 @@ class VLLMEngine:
                 stats.bytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
-        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        # The CPU redirect off, as for generate: vLLM's loader makes many small torch calls and names no CUDA device;
+        # the stream's tensors come from the parameters' own device (models/export.py).
+        with cpu_compat.suspended(), set_current_vllm_config(worker.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
             try:
                 model.load_weights(counted(named_tensors))
