@@ -16,9 +16,10 @@ epoch per step. TRL generates with transformers ``generate`` (no vLLM), the peer
 running either side is ``benchmarks/peer_runs.py``.
 
 Runs are alternated and paired (A B A B ...: ours, then TRL, per pair), one process tree at a time. Each run's whole
-process tree (trainer, in-process vLLM, reward workers, watchdog) is sampled every ``--interval`` seconds: summed
-CPU time (user + system of every process) and PSS (psutil's ``memory_full_info().pss``: shared pages split among
-the processes that map them, so a tree's sum counts each page once). Reported per run (``peer_report.py``):
+process tree (trainer, in-process vLLM, reward workers, watchdog) is sampled: summed CPU time (user + system of every
+process) every ``--interval`` seconds, PSS (psutil's ``memory_full_info().pss``: shared pages split among the
+processes that map them, so a tree's sum counts each page once) every ``--pss-interval`` seconds (a PSS read slows
+the measured process: ``peer_tree.py``; until 2026-11-29 it was read every 0.1 s too). Reported per run (``peer_report.py``):
 
     step        median of the trainer's own step seconds from step 3 (ours: step_seconds; TRL: on_step_begin to
                 on_step_end), where the first steps' one-time costs are over
@@ -122,12 +123,13 @@ def bench_shape(name: str, args, work: Path) -> str:
         for placement in placements:
             key = PLACEMENTS[placement][0]
             pair[key], trace[key] = run_ours(shape, hf, steps, fresh(shape_dir / f"pair{index}_{key}"),
-                                             args.interval, placement)
+                                             args.interval, placement, args.pss_interval)
             pair[key]["rollouts"] = run.data.prompts_per_step * run.dynamo.allocation.n_avg
             print(f"bench_peer: {name} pair {index} {key}: step {pair[key]['step_s']:.3f} s, "
                   f"peak {pair[key]['peak_pss_gib']:.2f} GiB", flush=True)
         trl_dir = fresh(shape_dir / f"pair{index}_trl")
-        pair["trl"], trace["trl"] = run_trl(peer_spec(run, hf, steps, trl_dir), trl_dir, args.interval)
+        pair["trl"], trace["trl"] = run_trl(peer_spec(run, hf, steps, trl_dir), trl_dir, args.interval,
+                                            args.pss_interval)
         print(f"bench_peer: {name} pair {index} TRL: step {pair['trl']['step_s']:.3f} s, "
               f"peak {pair['trl']['peak_pss_gib']:.2f} GiB", flush=True)
         pairs.append(pair)
@@ -154,7 +156,11 @@ def parse_args(argv):
                         help="steps per run (default: the shape's, 20 and 5; the sweep's 3)")
     parser.add_argument("--work", default=None, help="directory for the start models and the runs (default: a new "
                                                      "temporary one); an exported model found there is reused")
-    parser.add_argument("--interval", type=float, default=0.1, help="process-tree sampling period, s (default 0.1)")
+    parser.add_argument("--interval", type=float, default=0.1,
+                        help="process-tree sampling period of CPU time and step ends, s (default 0.1)")
+    parser.add_argument("--pss-interval", type=float, default=1.0,
+                        help="period of the tree's PSS reads, s (default 1.0; each read walks the page tables of "
+                             "the measured processes and slows them: peer_tree.py)")
     parser.add_argument("--json-dir", default=str(ROOT / "benchmarks" / "results"),
                         help="where the JSON goes (default benchmarks/results)")
     peer_sweep.add_options(parser)

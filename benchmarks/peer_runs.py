@@ -89,21 +89,21 @@ def read_records(path: Path) -> list[dict]:
 
 
 def run_ours(setup: dict, hf: Path, steps: int, out: Path, interval: float,
-             placement: str = "colocated") -> tuple[dict, dict]:
+             placement: str = "colocated", pss_interval: float = 1.0) -> tuple[dict, dict]:
     """Our run in ``out``: its summary and its trace (JSON)."""
     overrides, _ = run_config(setup, hf, steps, placement)
     cmd = dynamo_command(setup["recipe"], *overrides, f"trainer.output_dir={out}", "--algo", "grpo",
                          *NPROC[placement])
-    trace = trace_run(cmd, ROOT, out / "metrics.jsonl", out / "console.log", interval)
+    trace = trace_run(cmd, ROOT, out / "metrics.jsonl", out / "console.log", interval, pss_interval)
     summary = summarise(trace, read_records(out / "metrics.jsonl"), "ours")
     summary["placement"] = placement
     return summary, trace.as_json()
 
 
-def run_trl(spec: dict, out: Path, interval: float) -> tuple[dict, dict]:
+def run_trl(spec: dict, out: Path, interval: float, pss_interval: float = 1.0) -> tuple[dict, dict]:
     """TRL's run of ``spec`` in ``out``: its summary and its trace (JSON)."""
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "peer_trl.py"), str(spec_path)]
-    trace = trace_run(cmd, ROOT, Path(spec["step_log"]), out / "console.log", interval)
+    trace = trace_run(cmd, ROOT, Path(spec["step_log"]), out / "console.log", interval, pss_interval)
     return summarise(trace, read_records(Path(spec["step_log"])), "trl"), trace.as_json()

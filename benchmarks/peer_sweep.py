@@ -166,10 +166,10 @@ def measure_point(point: dict, index: int, args, work: Path) -> dict:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         if side == "ours":
-            summaries[side], _ = run_ours(setup, hf, steps, out, args.interval)
+            summaries[side], _ = run_ours(setup, hf, steps, out, args.interval, pss_interval=args.pss_interval)
             shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the run's last step, saved: not needed
         else:
-            summaries[side], _ = run_trl(peer_spec(run, hf, steps, out), out, args.interval)
+            summaries[side], _ = run_trl(peer_spec(run, hf, steps, out), out, args.interval, args.pss_interval)
         print(f"bench_peer: sweep {point['model']} {point['length']} {side}: step {summaries[side]['step_s']:.3f} s",
               flush=True)
     fields = {"order": list(order), "ours": summaries["ours"], "trl": summaries["trl"],

@@ -20,6 +20,7 @@ import peer_plot  # noqa: E402
 import peer_report  # noqa: E402
 import peer_runs  # noqa: E402
 import peer_sweep  # noqa: E402
+import peer_tree  # noqa: E402
 from peer_tree import RunTrace, trace_run  # noqa: E402
 
 
@@ -128,6 +129,17 @@ def test_a_child_tree_is_sampled(tmp_path):
     json.dumps(trace.as_json())
     with pytest.raises(RuntimeError, match="exited with 3"):
         trace_run([sys.executable, "-c", "raise SystemExit(3)"], tmp_path, log, tmp_path / "c.log")
+
+
+def test_pss_is_read_once_a_pss_interval_and_carried_between_reads(tmp_path, monkeypatch):
+    """A PSS read walks the measured process's page tables (and slows it): CPU every interval, PSS less often."""
+    reads, sample = [], peer_tree._sample
+    monkeypatch.setattr(peer_tree, "_sample", lambda root, cpu, read_pss: reads.append(read_pss) or sample(root, cpu,
+                                                                                                        read_pss))
+    trace = trace_run([sys.executable, "-c", "import time; time.sleep(1.3)"], tmp_path, tmp_path / "steps.jsonl",
+                      tmp_path / "console.log", interval=0.05, pss_interval=0.5)
+    assert len(reads) >= 12 and 2 <= sum(reads) <= 4
+    assert all(pss > 2**20 for _, _, pss in trace.samples)  # every sample carries the last value read
 
 
 # ------------------------------------------------------------------------------------------------ overlapped placement
@@ -261,17 +273,17 @@ def test_a_point_whose_responses_are_not_its_length_is_refused(monkeypatch, tmp_
     monkeypatch.setattr(peer_sweep, "peer_spec", lambda *args: {})
     calls = []
 
-    def ours(setup, hf, steps, out, interval):
+    def ours(setup, hf, steps, out, interval, pss_interval):
         calls.append(("ours", setup["rl"][0], steps))
         return _summary(2.0, [16.0] * 3), {}
 
-    def trl(spec, out, interval):
+    def trl(spec, out, interval, pss_interval):
         calls.append(("trl",))
         return _summary(4.0, [16.0, 12.0, 16.0] if len(calls) > 2 else [16.0] * 3), {}
 
     monkeypatch.setattr(peer_sweep, "run_ours", ours)
     monkeypatch.setattr(peer_sweep, "run_trl", trl)
-    args = type("Args", (), {"sweep_lengths": [16], "steps": None, "interval": 0.1})()
+    args = type("Args", (), {"sweep_lengths": [16], "steps": None, "interval": 0.1, "pss_interval": 1.0})()
     point = _fake_point("tiny", 16, 1)
     first = peer_sweep.measure_point(point, 0, args, tmp_path)
     assert first["status"] == "measured" and first["ratio"] == 0.5 and first["order"] == ["ours", "trl"]
