@@ -4,9 +4,9 @@ per-step log first appeared (the end of that step).
 
 Why PSS less often: the kernel computes a process's PSS by walking its page tables under the process's memory-map
 lock. For our 1 GB CPU-default trainer one read took 19 ms of a core (AMD EPYC, 2 cores); read ten times a second it
-took a fifth of a core from the measured run and blocked its page faults meanwhile, and the CPU default's step came
-out 17% slower for ours and 11% for TRL's (2026-11-29). Once a second, the peak is the same (the trees' PSS is flat
-after start-up) and the runs are undisturbed.
+took a fifth of a core from the measured run and blocked its page faults meanwhile: in back-to-back runs of the CPU
+default (2 pairs each) the step came out 9% slower for ours and 13% for TRL's than with a read once a second, the
+ratio within its noise (2026-11-29). Once a second, the peak is the same (the trees' PSS is flat after start-up).
 
 CPU: user + system time of every process of the tree, the last value seen for a process that has exited (children's
 times are not added: a reaped child's time would then count twice). A process that lives less than one interval is
