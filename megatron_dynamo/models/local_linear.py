@@ -1,10 +1,10 @@
 """The local (pure-PyTorch) layer spec's linear layers: on the CPU, float32 products through oneDNN, not MKL.
 
 Why: torch computes a float32 ``matmul`` on the CPU with MKL's sgemm, and on AMD EPYC MKL runs its generic code
-path. At the CPU default's shapes (~1400 tokens, 128 -> 256/384/768 features, 2 threads) oneDNN's inner product, the
-kernel behind torch's ``mkldnn`` linear (what torch.compile's CPU backend and vLLM's CPU layers call), was 2.2x as
-fast forward and for the input's gradient, in float32 throughout (oneDNN's default,
-strict math mode: no bf16 or tf32 rounding). The matrix products were over half of the CPU default's update.
+path. At the CPU default's shapes (~1400 tokens, 128 -> 256/384/768 features, 2 threads) oneDNN's inner product
+(``torch.ops.mkldnn._linear_pointwise``, the op torch.compile's CPU backend emits for a linear layer; vLLM's CPU layers
+use oneDNN too) was 2.2x as fast forward and for the input's gradient, in float32 throughout (oneDNN's default, strict
+math mode: no bf16 or tf32 rounding). The matrix products were over half of the CPU default's update.
 
 - :func:`local_linear_layers`: Megatron's ``ColumnParallelLinear`` and ``RowParallelLinear`` (parameters, state dict,
   tensor-parallel split and communication unchanged) whose product is :class:`_OneDNNLinear` where it applies:
