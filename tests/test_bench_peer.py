@@ -138,8 +138,11 @@ def test_pss_is_read_once_a_pss_interval_and_carried_between_reads(tmp_path, mon
                                                                                                         read_pss))
     trace = trace_run([sys.executable, "-c", "import time; time.sleep(1.3)"], tmp_path, tmp_path / "steps.jsonl",
                       tmp_path / "console.log", interval=0.05, pss_interval=0.5)
-    assert len(reads) >= 12 and 2 <= sum(reads) <= 4
-    assert all(pss > 2**20 for _, _, pss in trace.samples)  # every sample carries the last value read
+    assert sum(reads) >= 2 and sum(reads) < len(reads) / 2  # far fewer PSS reads than samples
+    values = [pss for _, _, pss in trace.samples]
+    # between reads every sample carries the last value read: it changes at a read only
+    assert sum(a != b for a, b in zip(values, values[1:])) <= sum(reads) - 1
+    assert max(values) > 2**20
 
 
 # ------------------------------------------------------------------------------------------------ overlapped placement
