@@ -19,7 +19,8 @@ Runs are alternated and paired (A B A B ...: ours, then TRL, per pair), one proc
 process tree (trainer, in-process vLLM, reward workers, watchdog) is sampled: summed CPU time (user + system of every
 process) every ``--interval`` seconds, PSS (psutil's ``memory_full_info().pss``: shared pages split among the
 processes that map them, so a tree's sum counts each page once) every ``--pss-interval`` seconds (a PSS read slows
-the measured process: ``peer_tree.py``; until 2026-11-29 it was read every 0.1 s too). Reported per run (``peer_report.py``):
+the measured process: ``peer_tree.py``; until 2026-11-29 it was read every 0.1 s too). Reported per run
+(``peer_report.py``):
 
     step        median of the trainer's own step seconds from step 3 (ours: step_seconds; TRL: on_step_begin to
                 on_step_end), where the first steps' one-time costs are over

@@ -10,8 +10,9 @@ ratio within its noise (2026-11-29). Once a second, the peak is the same (the tr
 
 CPU: user + system time of every process of the tree, the last value seen for a process that has exited (children's
 times are not added: a reaped child's time would then count twice). A process that lives less than one interval is
-missed (none does in a training step). PSS (each sample carries the last value read): ``memory_full_info().pss`` (from ``/proc/<pid>/smaps``), each shared
-page split among the processes that map it, so the sum over the tree counts every page once.
+missed (none does in a training step). PSS (each sample carries the last value read): ``memory_full_info().pss``
+(from ``/proc/<pid>/smaps_rollup`` where the kernel has it, else ``smaps``), each shared page split among the
+processes that map it, so the sum over the tree counts every page once.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _sample(root, cpu_by_process: dict, read_pss: bool) -> int | None:
     try:
         processes = [root] + root.children(recursive=True)
     except psutil.NoSuchProcess:
-        return 0 if read_pss else None
+        processes = []
     pss = 0
     for process in processes:
         try:
