@@ -29,14 +29,16 @@ def test_bytes_per_token_count_keys_and_values_of_every_layer():
 def test_cache_holds_the_step_in_whole_blocks_with_a_floor_and_a_cap():
     big = load_hf_config(BENCH_100M)
     per_token = 2 * 12 * 2 * 64 * 4
-    # 128 sequences of 16 + 256 tokens: 3 blocks of 128 tokens each
-    assert cpu_kv_cache_bytes(big, 272, 128) == 128 * 3 * CPU_BLOCK_SIZE * per_token
-    assert cpu_kv_cache_bytes(big, 256, 128) == 128 * 2 * CPU_BLOCK_SIZE * per_token
+    # 128 sequences of 16 + 256 tokens: 9 blocks of 32 tokens each
+    assert CPU_BLOCK_SIZE == 32
+    assert cpu_kv_cache_bytes(big, 272, 128) == 128 * 9 * 32 * per_token
+    assert cpu_kv_cache_bytes(big, 256, 128) == 128 * 8 * 32 * per_token
+    assert cpu_kv_cache_bytes(big, 272, 128, block_size=128) == 128 * 3 * 128 * per_token
     # never more sequences than the scheduler runs at once
-    assert cpu_kv_cache_bytes(big, 272, 10_000) == cpu_kv_cache_bytes(big, 272, 256) == 256 * 3 * 128 * per_token
-    assert cpu_kv_cache_bytes(big, 272, 10_000, max_num_seqs=512) == 512 * 3 * 128 * per_token
+    assert cpu_kv_cache_bytes(big, 272, 10_000) == cpu_kv_cache_bytes(big, 272, 256) == 256 * 9 * 32 * per_token
+    assert cpu_kv_cache_bytes(big, 272, 10_000, max_num_seqs=512) == 512 * 9 * 32 * per_token
     # the floor
-    assert cpu_kv_cache_bytes(load_hf_config(TINY_QWEN2), 22, 4) == FLOOR_BYTES == 64 * MiB
+    assert cpu_kv_cache_bytes(load_hf_config(TINY_QWEN2), 22, 4) == FLOOR_BYTES == 16 * MiB
     assert cpu_kv_cache_bytes(big, 22, 1) == FLOOR_BYTES
 
 
@@ -45,7 +47,7 @@ def test_a_run_gets_its_computed_size_or_the_recipe_s():
 
     run = load_run_config(CPU_DEFAULT, ["data.prompts_per_step=16", "trainer.mini_batch_prompts=16"])
     # 16 prompts x n_avg 8 sequences of at most 272 tokens
-    want = 16 * 8 * 3 * 128 * (2 * 12 * 2 * 64 * 4)
+    want = 16 * 8 * 9 * 32 * (2 * 12 * 2 * 64 * 4)
     assert kv_cache_size(run, load_hf_config(BENCH_100M), 272, on_gpu=False) == {"cpu_kvcache_space_gb": want / 2**30}
     run = load_run_config(CPU_DEFAULT, ["rollout.cpu_kvcache_gb=0.25"])
     assert kv_cache_size(run, load_hf_config(TINY_QWEN2), 22, on_gpu=False) == {"cpu_kvcache_space_gb": 0.25}
@@ -83,7 +85,7 @@ def test_the_engine_allocates_that_cache_and_serves_a_whole_step(tmp_path, monke
         with VLLMEngine(str(tmp_path), max_model_len=max_len, seed=0, **size) as engine:
             worker = engine.llm.llm_engine.model_executor.driver_worker.worker
             allocated = sum(t.untyped_storage().nbytes() for t in _unique_storages(worker.model_runner.kv_caches))
-            assert allocated == int(size["cpu_kvcache_space_gb"] * 2**30) == 64 * MiB
+            assert allocated == int(size["cpu_kvcache_space_gb"] * 2**30) == 16 * MiB
             examples = list(make_synthetic_task(run.data.prompts_per_step, seed=0))
             requests = [GenerationRequest(ex.id, tokenizer.encode(render("synthetic", ex.problem),
                                                                   add_special_tokens=False), 8) for ex in examples]

