@@ -274,9 +274,10 @@ def test_prefills_larger_than_one_step_budget(engine, tokenizer):
 
 
 def test_a_prompts_samples_share_the_kv_of_its_whole_blocks(engine):
-    """The n samples of a prompt are prefilled in one step; all but the whole blocks' worth of each is computed once
-    (prefix caching, 32-token blocks on CPU). vLLM's CPU default of 128-token blocks shared nothing of a prompt
-    under 128 tokens: at 100-token prompts x 8 samples, the prefill took 3x as long."""
+    """The n samples of a prompt are prefilled in one step, and the prompt's whole blocks are computed once for all of
+    them (prefix caching, 32-token blocks on CPU); only its last partial block is computed per sample. vLLM's CPU
+    default of 128-token blocks shared nothing of a prompt under 128 tokens: at 100-token prompts x 8 samples, the
+    prefill took 3x as long."""
     from vllm import SamplingParams
 
     if not torch.cuda.is_available():
