@@ -12,8 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_dynamo.reward import REWARD_REASONS, MathRewardScorer, extract_answer
+from megatron_dynamo.reward.answers import integer_verdict
+from megatron_dynamo.reward.verify import verify_answer
 
 MATH_DATA = Path(__file__).parent / "fixtures" / "math"  # the first rows of every benchmark file (its README)
 
@@ -176,12 +180,46 @@ def test_truncated_responses_score_zero(scorer):
 
 
 def test_cache_verifies_each_pair_once(scorer):
-    responses = ["\\boxed{6}", "I get 6", "\\boxed{6}", "\\boxed{7}", "\\boxed{6}"]
-    references = ["6", "6", "6", "6", ["6", "six"]]
+    responses = ["\\boxed{1.5}", "I get 1.5", "\\boxed{1.5}", "\\boxed{2.5}", "\\boxed{1.5}"]
+    references = ["1.5", "1.5", "1.5", "1.5", ["1.5", "3/2"]]
     result = scorer.score(responses, references)
     assert result.rewards.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
-    # ("6","6") three times -> one check; ("6","7") one; (("6","six"),"6") one
-    assert result.stats.num_verified == 3 and result.stats.cache_hits == 2
+    # ("1.5","1.5") three times -> one check; ("1.5","2.5") one; (("1.5","3/2"),"1.5") one
+    assert result.stats.num_verified == 3 and result.stats.cache_hits == 2 and result.stats.integers_compared == 0
+
+
+def test_plain_integers_are_compared_without_math_verify():
+    responses = ["\\boxed{6}", "I get 006", "\\boxed{7}", "\\boxed{6}", "\\boxed{6}", "\\boxed{1,000}"]
+    references = ["6", "6", "6", ["6", "12"], ["6", "six"], "1000"]
+    with MathRewardScorer(num_workers=1, timeout_seconds=TIMEOUT_SECONDS) as fresh:  # nothing remembered
+        result = fresh.score(responses, references)
+    assert result.reasons == ["correct", "correct", "wrong", "correct", "correct", "correct"]
+    # a form that is not a plain integer ("six"), or an answer with a separator, goes to math-verify
+    assert result.stats.integers_compared == 4 and result.stats.num_verified == 2
+
+
+# Plain integers as a model or a dataset writes them: signs, leading zeros, neighbours that differ in the last of
+# up to 30 digits. A string, so that the zeros and the sign are kept as written.
+_INTEGER_TEXT = st.builds(lambda sign, zeros, digits: sign + "0" * zeros + digits,
+                          st.sampled_from(["", "-"]), st.integers(0, 2), st.from_regex(r"[1-9][0-9]{0,29}|0", fullmatch=True))
+
+
+@settings(max_examples=150, deadline=None)
+@given(answer=_INTEGER_TEXT, reference=_INTEGER_TEXT, neighbour=st.sampled_from([None, -1, 0, 1]))
+def test_integer_verdict_is_math_verifys(answer, reference, neighbour):
+    if neighbour is not None:  # the reference next to (or equal to) the answer, written without zeros
+        reference = str(int(answer) + neighbour)
+    verdict = integer_verdict(answer, (reference,))
+    assert verdict in ("correct", "wrong")
+    assert verdict == verify_answer(answer, (reference,), TIMEOUT_SECONDS)[0]
+
+
+@pytest.mark.parametrize("answer, forms", [
+    ("1,000", ("1000",)), ("+5", ("5",)), ("\u0667", ("7",)), ("7.0", ("7",)), ("7", ("7", "x")), ("7", ()),
+    ("-", ("0",)), ("1" * 31, ("1" * 31,)),
+])
+def test_integer_verdict_leaves_anything_else_to_math_verify(answer, forms):
+    assert integer_verdict(answer, forms) is None
 
 
 def test_later_calls_reuse_verdicts_but_not_timeouts(monkeypatch):
@@ -189,16 +227,16 @@ def test_later_calls_reuse_verdicts_but_not_timeouts(monkeypatch):
 
     monkeypatch.setattr(math_reward, "REMEMBERED_PAIRS", 3)
     with MathRewardScorer(num_workers=1, timeout_seconds=1) as fresh:
-        responses, references = ["\\boxed{12}", "\\boxed{13}", POWER_TOWER], ["12", "12", "1"]
+        responses, references = ["\\boxed{1.2}", "\\boxed{1.3}", POWER_TOWER], ["1.2", "1.2", "1"]
         first = fresh.score(responses, references)
         assert first.reasons == ["correct", "wrong", "timeout"] and first.stats.num_verified == 3
-        again = fresh.score(responses + ["\\boxed{12}"], references + ["12"])
+        again = fresh.score(responses + ["\\boxed{1.2}"], references + ["1.2"])
         assert again.reasons == first.reasons + ["correct"]
         # the timeout goes to math-verify again (it may be the machine's load); the verdicts do not
         assert again.stats.num_verified == 1 and again.stats.cache_hits == 3
-        # only the most recently used pairs are kept: two new ones push (12, 13), the oldest, out
-        fresh.score(["\\boxed{14}", "\\boxed{15}"], ["12", "12"])
-        last = fresh.score(["\\boxed{13}", "\\boxed{12}"], ["12", "12"])
+        # only the most recently used pairs are kept: two new ones push (1.2, 1.3), the oldest, out
+        fresh.score(["\\boxed{1.4}", "\\boxed{1.5}"], ["1.2", "1.2"])
+        last = fresh.score(["\\boxed{1.3}", "\\boxed{1.2}"], ["1.2", "1.2"])
         assert last.reasons == ["wrong", "correct"]
         assert last.stats.num_verified == 1 and last.stats.cache_hits == 1
 
@@ -225,14 +263,14 @@ def test_mismatched_lengths_raise(scorer):
 
 def test_math_verify_timeout_is_counted_and_the_pool_keeps_scoring(scorer, capfd):
     start = time.perf_counter()
-    result = scorer.score([POWER_TOWER, "\\boxed{3}"], ["1", "3"])
+    result = scorer.score([POWER_TOWER, "\\boxed{3.5}"], ["1", "3.5"])
     elapsed = time.perf_counter() - start
     assert result.reasons == ["timeout", "correct"]
     assert result.stats.counts["timeout"] == 1
     # it really ran into math-verify's alarm (not a fast failure), and well before the hard limit
     assert TIMEOUT_SECONDS - 0.5 <= elapsed < scorer.hard_timeout_seconds
     assert result.stats.workers_replaced == 0
-    after = scorer.score(["\\boxed{10}", "\\boxed{11}"], ["10", "10"])
+    after = scorer.score(["\\boxed{10.5}", "\\boxed{11.5}"], ["10.5", "10.5"])
     assert after.reasons == ["correct", "wrong"]
     # math-verify's logger would print the whole expression on a timeout: silenced in the workers
     captured = capfd.readouterr()
@@ -244,13 +282,13 @@ def test_hard_timeout_kills_and_replaces_the_worker(caplog):
     with MathRewardScorer(num_workers=1, timeout_seconds=5, hard_timeout_seconds=1.0) as single:
         start = time.perf_counter()
         with caplog.at_level(logging.WARNING, logger="megatron_dynamo.reward.pool"):
-            result = single.score([POWER_TOWER, "\\boxed{3}", "\\boxed{4}"], ["1", "3", "5"])
+            result = single.score([POWER_TOWER, "\\boxed{3.5}", "\\boxed{4.5}"], ["1", "3.5", "5.5"])
         elapsed = time.perf_counter() - start
         assert result.reasons == ["timeout", "correct", "wrong"]
         assert result.stats.workers_replaced == 1
         assert elapsed < 8.0  # 1 s limit + restart of one worker (the replacement count proves the kill)
         assert any("hard limit" in r.getMessage() for r in caplog.records)
-        assert single.score(["\\boxed{8}"], ["8"]).reasons == ["correct"]
+        assert single.score(["\\boxed{8.5}"], ["8.5"]).reasons == ["correct"]
 
 
 def _worker_pids() -> set[int]:
@@ -263,19 +301,19 @@ def _worker_pids() -> set[int]:
 
 def test_a_worker_killed_from_outside_is_replaced(scorer):
     # an idle worker killed from outside (pebble's own pool breaks as a whole then: rebuilt, nothing lost), then a
-    # busy one (its item is retried on a fresh worker)
-    scorer.score(["\\boxed{1}"], ["1"])
+    # busy one (its item is retried on a fresh worker). Decimals: plain integers never reach the workers.
+    scorer.score(["\\boxed{1.25}"], ["1.25"])
     pids = _worker_pids()
     assert len(pids) == 2
     os.kill(min(pids), signal.SIGKILL)
     time.sleep(0.5)
-    result = scorer.score([f"\\boxed{{{i}}}" for i in range(20)], [str(i) for i in range(20)])
+    result = scorer.score([f"\\boxed{{{i}.75}}" for i in range(20)], [f"{i}.75" for i in range(20)])
     assert result.rewards.tolist() == [1.0] * 20
     assert min(pids) not in _worker_pids() and len(_worker_pids()) == 2
     busy = sorted(_worker_pids())
     killer = threading.Timer(0.3, os.kill, (busy[0], signal.SIGKILL))
     killer.start()
-    result = scorer.score([POWER_TOWER, POWER_TOWER, "\\boxed{3}"], ["1", "1", "3"])
+    result = scorer.score([POWER_TOWER, POWER_TOWER, "\\boxed{3.125}"], ["1", "1", "3.125"])
     killer.join()
     assert result.reasons == ["timeout", "timeout", "correct"]
     assert busy[0] not in _worker_pids() and len(_worker_pids()) == 2

@@ -30,14 +30,14 @@ def _score(scorer, answers):
 @pytest.mark.slow
 def test_past_the_batch_budget_the_remaining_answers_score_zero_and_are_counted():
     with MathRewardScorer(num_workers=2, timeout_seconds=TIMEOUT, hard_timeout_seconds=8.0) as unlimited:
-        _score(unlimited, ["\\boxed{1}"])  # the workers' start-up is not scoring time
+        _score(unlimited, ["\\boxed{1.5}"])  # the workers' start-up is not scoring time (not an integer: they score it)
         _, slow = _score(unlimited, TOWERS)
     with MathRewardScorer(num_workers=2, timeout_seconds=TIMEOUT, hard_timeout_seconds=8.0,
                           max_batch_seconds=3.0) as budgeted:
-        _score(budgeted, ["\\boxed{1}"])
+        _score(budgeted, ["\\boxed{1.5}"])
         result, elapsed = _score(budgeted, TOWERS)
         budgeted.max_batch_seconds = None  # (the replacements' start-up may take longer than 3 s on a busy machine)
-        after = budgeted.score(["\\boxed{3}"], ["3"])  # the workers stopped at the budget were replaced
+        after = budgeted.score(["\\boxed{3.5}"], ["3.5"])  # the workers stopped at the budget were replaced
     print(f"\n8 slow answers, 2 workers: {slow:.1f} s without a budget, {elapsed:.1f} s with 3 s "
           f"({result.stats.over_budget} over budget)")
     assert slow >= len(TOWERS) * TIMEOUT / 2 - 0.5  # what the issue measured: N x timeout / workers
@@ -63,13 +63,13 @@ def _worker_limits(expected: int) -> list[tuple[int, int]]:
 
 def test_each_worker_gets_a_memory_limit_above_its_start_up_size():
     with MathRewardScorer(num_workers=2, timeout_seconds=TIMEOUT, worker_memory_mb=256) as scorer:
-        assert scorer.score(["\\boxed{1}"], ["1"]).reasons == ["correct"]
+        assert scorer.score(["\\boxed{1.5}"], ["1.5"]).reasons == ["correct"]
         limits = _worker_limits(2)
         assert len(limits) == 2
         for soft, size in limits:
             assert 200 * 2**20 < soft - size <= 256 * 2**20, (soft, size)
     with MathRewardScorer(num_workers=1, timeout_seconds=TIMEOUT, worker_memory_mb=0) as unlimited:
-        unlimited.score(["\\boxed{1}"], ["1"])
+        unlimited.score(["\\boxed{1.5}"], ["1.5"])
         time.sleep(1)
         assert [soft for soft, _ in _worker_limits(0)] == [psutil.RLIM_INFINITY]
 

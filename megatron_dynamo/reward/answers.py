@@ -31,6 +31,9 @@ _MATH_SEGMENT_RE = re.compile(
 _NUMBER_RE = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
 _SCIENTIFIC_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?)[eE]([+-]?\d+)\s*$")
 _UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+# A plain decimal integer: ASCII digits only (str.isdigit and int() take other scripts' digits, math-verify's parser
+# does not), at most 30 of them (math-verify told 19-digit neighbours apart; longer ones go to it).
+_PLAIN_INTEGER_RE = re.compile(r"-?[0-9]{1,30}")
 
 
 def _matching_brace(text: str, open_pos: int, max_chars: int) -> int | None:
@@ -159,3 +162,14 @@ def normalize_references(reference: Reference) -> tuple[str, ...]:
             out.append(form.strip())
     return tuple(out)
 
+
+
+def integer_verdict(answer: str, forms: Sequence[str]) -> str | None:
+    """``"correct"`` or ``"wrong"`` when the extracted answer and every reference form are plain decimal integers
+    (``42``, ``-7``, ``007``), compared as numbers: math-verify's verdict on such a pair (tests/test_reward.py
+    compares the two), decided without a worker round trip. None when either side is anything else."""
+    answer = answer.strip()
+    if not forms or not _PLAIN_INTEGER_RE.fullmatch(answer) \
+            or not all(_PLAIN_INTEGER_RE.fullmatch(form) for form in forms):
+        return None
+    return "correct" if int(answer) in {int(form) for form in forms} else "wrong"

@@ -149,7 +149,7 @@ class RolloutProducer:
 def sum_reward_stats(stats) -> dict[str, float]:
     """Collective: the reward counts of every engine leader's scoring summed (seconds: the slowest leader), as
     ``reward/*`` metrics (docs/metrics.md). ``stats``: this rank's RewardStats, None on ranks that did not score."""
-    summed = ["num_responses", "num_verified", "cache_hits", "workers_replaced", "over_budget"]
+    summed = ["num_responses", "num_verified", "cache_hits", "integers_compared", "workers_replaced", "over_budget"]
     local = stats or RewardStats()
     values = torch.tensor([float(local.counts[r]) for r in REWARD_REASONS] + [float(getattr(local, k)) for k in summed],
                           dtype=torch.float64, device=collective_device())
