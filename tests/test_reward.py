@@ -201,7 +201,8 @@ def test_plain_integers_are_compared_without_math_verify():
 # Plain integers as a model or a dataset writes them: signs, leading zeros, neighbours that differ in the last of
 # up to 30 digits. A string, so that the zeros and the sign are kept as written.
 _INTEGER_TEXT = st.builds(lambda sign, zeros, digits: sign + "0" * zeros + digits,
-                          st.sampled_from(["", "-"]), st.integers(0, 2), st.from_regex(r"[1-9][0-9]{0,29}|0", fullmatch=True))
+                          st.sampled_from(["", "-"]), st.integers(0, 2),
+                          st.from_regex(r"[1-9][0-9]{0,29}|0", fullmatch=True))
 
 
 @settings(max_examples=150, deadline=None)

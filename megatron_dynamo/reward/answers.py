@@ -32,7 +32,7 @@ _NUMBER_RE = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?
 _SCIENTIFIC_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?)[eE]([+-]?\d+)\s*$")
 _UNESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\$")
 # A plain decimal integer: ASCII digits only (str.isdigit and int() take other scripts' digits, math-verify's parser
-# does not), at most 30 of them (math-verify told 19-digit neighbours apart; longer ones go to it).
+# does not), at most 30 of them (the lengths tests/test_reward.py checks against math-verify; longer ones go to it).
 _PLAIN_INTEGER_RE = re.compile(r"-?[0-9]{1,30}")
 
 
@@ -161,7 +161,6 @@ def normalize_references(reference: Reference) -> tuple[str, ...]:
         if isinstance(form, str) and form.strip() and form.strip() not in out:
             out.append(form.strip())
     return tuple(out)
-
 
 
 def integer_verdict(answer: str, forms: Sequence[str]) -> str | None:
