@@ -16,15 +16,18 @@ pytestmark = pytest.mark.skipif(local_linear._ONEDNN is None, reason="this torch
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("strided_input", [False, True])
 @pytest.mark.parametrize("seq", [7, 282])  # 282 x 5: the CPU default's 1408-token micro-batch, summed in the weight's grad
-def test_values_and_gradients_match_float64(bias, strided_input, seq):
+# (in, out): fewer outputs than inputs (the weight's gradient copies g.T) and more (it copies x.T, as the MLP's gate/up)
+@pytest.mark.parametrize("features", [(48, 40), (32, 96)], ids=["narrowing", "widening"])
+def test_values_and_gradients_match_float64(bias, strided_input, seq, features):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(seq, 5, 48, generator=g)
+    n_in, n_out = features
+    x = torch.randn(seq, 5, n_in, generator=g)
     if strided_input:  # e.g. the attention's output, [b, s, h] transposed to [s, b, h]
-        x = torch.randn(5, seq, 48, generator=g).transpose(0, 1)
+        x = torch.randn(5, seq, n_in, generator=g).transpose(0, 1)
     x.requires_grad_()
-    weight = torch.randn(40, 48, generator=g, requires_grad=True)
-    b = torch.randn(40, generator=g, requires_grad=True) if bias else None
-    upstream = torch.randn(seq, 5, 40, generator=g)
+    weight = torch.randn(n_out, n_in, generator=g, requires_grad=True)
+    b = torch.randn(n_out, generator=g, requires_grad=True) if bias else None
+    upstream = torch.randn(seq, 5, n_out, generator=g)
     out = local_linear._OneDNNLinear.apply(x, weight, b, False, None)
     out.backward(upstream)
 
