@@ -11,7 +11,9 @@ inside vLLM's layer-wise reload. The packer is a compact copy of the product's f
 ``unpack_bucket`` (the product no longer has them).
 
 NEW: ``megatron_dynamo.rollout.VLLMEngine``: vLLM in the training process (``external_launcher``, engine core in
-process); ``update_weights`` hands the tensors to the same layer-wise reload, no packing, no RPC.
+process); ``update_weights`` loads the tensors in place, no packing, no RPC: since 2026-11-30 into the linear weights
+the CPU engine keeps for a dense model, then packed again (``rollout/vllm_reload.py``), before that through the same
+layer-wise reload as OLD.
 
 What is measured (each path in its own child process, one rank, started by ``parallel.spawn.run_on_ranks``):
 
@@ -84,7 +86,8 @@ def _tables(res: dict, args) -> str:
     legacy, new = res.get("legacy"), res.get("new")
     lines = [f"Weight sync, {mb:.0f} MB Qwen2-shaped model (hidden {args.hidden_size}, {args.layers} layers, vocab "
              f"{args.vocab_size}, fp32), median of {args.repeats} after a warm-up:", "",
-             "| measurement | old: separate process, RPC buckets | new: in process | new vs old |",
+             f"| measurement | old: separate process, RPC buckets | new: in process, "
+             f"{'loaded in place' if (new or {}).get('reload_in_place') else 'layer-wise reload'} | new vs old |",
              "|---|---|---|---|"]
 
     def cell(entry):
@@ -155,6 +158,8 @@ def main(argv=None) -> int:
                              "fastest in the 2026-11-21 bench_rollout run); ratios are given against each")
     parser.add_argument("--no-actor", action="store_true", help="skip the sync_weights-from-MegatronActor rows")
     parser.add_argument("--skip-legacy", action="store_true", help="skip the OLD path (and the ratios)")
+    parser.add_argument("--layerwise", action="store_true",
+                        help="NEW loads through vLLM's layer-wise reload, as before 2026-11-30 (default: in place)")
     parser.add_argument("--skip-generation", action="store_true", help="skip the 1- vs 2-engine generation runs")
     parser.add_argument("--gen-prompts", type=int, default=32, help="generation: prompts (32)")
     parser.add_argument("--gen-n", type=int, default=4, help="generation: samples per prompt (4)")
@@ -203,6 +208,7 @@ def main(argv=None) -> int:
               flush=True)
         spec = {"model_dir": model_dir, "tiny_dir": tiny_dir, "config": cfg, "repeats": args.repeats,
                 "bucket_mb": args.bucket_mb, "actor": not args.no_actor, "max_model_len": 256,
+                "reload_in_place": not args.layerwise,
                 "check_prompt": [5 + (7 * i) % 100 for i in range(24)], "check_tokens": 16,
                 "gen_prompts": args.gen_prompts, "gen_n": args.gen_n, "gen_tokens": args.gen_tokens,
                 "gen_bare": args.gen_bare}

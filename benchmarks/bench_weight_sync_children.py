@@ -115,8 +115,10 @@ def new_child(rank: int, world_size: int, spec: dict) -> dict:
     state = _load_state(spec["model_dir"])
     actor = _build_actor(spec, state) if spec["actor"] else None
     engine = VLLMEngine(spec["model_dir"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
-                        cpu_kvcache_space_gb=1, engine_kwargs={"load_format": "dummy"})
-    result = {"startup_seconds": engine.startup_seconds, "loads": {}}
+                        cpu_kvcache_space_gb=1, engine_kwargs={"load_format": "dummy"},
+                        reload_in_place=spec.get("reload_in_place", True))
+    result = {"startup_seconds": engine.startup_seconds, "loads": {},
+              "reload_in_place": engine.config.reload_in_place}
     try:
         prompt, llm = spec["check_prompt"], engine.llm
         result["check_before"] = _greedy(llm, prompt, spec["check_tokens"])
