@@ -312,8 +312,8 @@ class VLLMEngine:
     def _emulated_sleep(self, level: int) -> None:
         """CUDA sleep mode's effect on CPU: the KV cache is gone (every cached prefix dropped, the cache zeroed)
         and, at level 2, the weights too: every floating parameter of the worker's model (embeddings, norms, the LM
-        head, the linear weights where the engine keeps them) becomes NaN, and so do the copies the CPU kernels
-        read. Buffers are kept, as vLLM keeps them across a level-2 sleep."""
+        head, the linear weights where the engine keeps them) becomes NaN, and with ``reload_in_place`` so do the
+        packed copies the CPU kernels read. Buffers are kept, as vLLM keeps them across a level-2 sleep."""
         self._llm.reset_prefix_cache()
         with torch.no_grad():
             for cache in getattr(self._worker.model_runner, "kv_caches", None) or []:
