@@ -122,22 +122,15 @@ def cpu_linear_weights_kept():
         utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
-def repack_cpu_gemm_layers(model: torch.nn.Module) -> int:
+def repack_cpu_gemm_layers(model: torch.nn.Module) -> None:
     """After new weights were loaded into the kept weights (:func:`cpu_linear_weights_kept`): every unquantized
-    linear layer and LM head of ``model`` packs its weight for its CPU kernel again, as the first load did. A tied
-    head packs the embeddings it shares. Returns the number of layers packed."""
+    linear layer and LM head of ``model`` runs its post-load step again, as the first load did, keeping its weight:
+    on CPU that packs the weight for its kernel. A tied head packs the embeddings it shares."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    packed = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, UnquantizedLinearMethod):
-            if not getattr(module, "_cpu_skip_gemm_dispatch", False):  # vLLM's plain-linear layers: nothing packed
-                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-                packed += 1
-        elif isinstance(method, UnquantizedEmbeddingMethod):
-            method.process_weights_after_loading(module)  # packs the head's GEMM weight; keeps the weight itself
-            packed += 1
-    return packed
+    with cpu_linear_weights_kept():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+                method.process_weights_after_loading(module)
