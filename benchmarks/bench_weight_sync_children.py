@@ -116,7 +116,7 @@ def new_child(rank: int, world_size: int, spec: dict) -> dict:
     actor = _build_actor(spec, state) if spec["actor"] else None
     engine = VLLMEngine(spec["model_dir"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
                         cpu_kvcache_space_gb=1, engine_kwargs={"load_format": "dummy"},
-                        reload_in_place=spec.get("reload_in_place", True))
+                        reload_in_place=spec["reload_in_place"])
     result = {"startup_seconds": engine.startup_seconds, "loads": {},
               "reload_in_place": engine.config.reload_in_place}
     try:
