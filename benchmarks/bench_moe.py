@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import child_process  # noqa: E402  (benchmarks/child_process.py)
 
-from megatron_dynamo.experiments.provenance import machine_id  # noqa: E402
+from megatron_dynamo.trainer.provenance import machine_id  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 #: (name, expert parallel, algorithm)

@@ -18,14 +18,13 @@ from hf_reference import REPO
 from megatron_dynamo.cli import build_parser
 from megatron_dynamo.commands import ablate
 from megatron_dynamo.experiments import ablation as ablation_module
-from megatron_dynamo.experiments import collector as collector_module
 from megatron_dynamo.experiments import executor
-from megatron_dynamo.experiments import outputs as outputs_module
 from megatron_dynamo.experiments.analysis import analyse
 from megatron_dynamo.experiments.collector import run_state
 from megatron_dynamo.experiments.paper import PAPER_AVG, PAPER_BENCHMARKS, TABLE1, TABLE2
 from megatron_dynamo.experiments.plan import PLAN_FILE, RunSpec
-from megatron_dynamo.experiments.provenance import checkpoint_hash, machine_id
+from megatron_dynamo.trainer import provenance as provenance_module
+from megatron_dynamo.trainer.provenance import checkpoint_hash, machine_id, write_run_provenance, write_saved_warmup
 from megatron_dynamo.experiments.stats import (bootstrap_ci, marginal_effect, paired_differences,
                                                realised_variance_ratio, zero_advantage_share)
 from megatron_dynamo.experiments.tables import format_markdown, main_table, table1_table
@@ -300,12 +299,14 @@ class FakeTrainer:
             (ckpt / f"step_{step:06d}" / "trainer_state.json").write_text("{}")
             (ckpt / "latest").write_text(f"step_{step:06d}")
 
+        write_run_provenance(out, kv.get("model.checkpoint"), resumed=resume)  # as the trainer does, at its start
         if steps == 0:  # the SFT warm-up
             assert "evaluation.at_start=true" in command
             with open(out / "metrics.jsonl", "w") as f:
                 f.write(json.dumps({"step": 0, "eval/held/pass@1": 0.1 + 0.01 * seed,
                                     "eval/avg/pass@1": 0.1 + 0.01 * seed, "eval/avg/pass@4": 0.2}) + "\n")
             save(0)
+            write_saved_warmup(out, ckpt / "step_000000")
             return 0
         assert kv["evaluation.every"] == str(STEPS) and kv["trainer.sft_warmup_steps"] == "0"
         sft_seed = seed if self.sft_per_seed else RECIPE_SEED
@@ -488,7 +489,7 @@ def test_raw_data_holds_every_finished_run_of_the_plan(recipe, tmp_path, capsys)
 
 def _on_machine(monkeypatch, name):
     """This process takes itself for machine ``name``: what ``provenance.machine_id`` would say on another CPU."""
-    for module in (ablation_module, outputs_module, collector_module):
+    for module in (ablation_module, provenance_module):  # what ablate asks, and what the (fake) run records
         monkeypatch.setattr(module, "machine_id", lambda: name)
 
 

@@ -16,14 +16,16 @@ import pytest
 
 from hf_reference import REPO
 from megatron_dynamo.experiments.variants import HIGH_LR
-from megatron_dynamo.experiments.confirmatory import (HYPOTHESES, SEEDS, analyse_runs, missing_runs, per_seed_contrast,
-                                                      preregistered_runs)
+from megatron_dynamo.experiments.confirmatory import (REPLICATION, SECOND, STUDIES, analyse_runs, missing_runs,
+                                                      per_seed_contrast, second_study_plan, study_of)
 from megatron_dynamo.experiments.confirmatory_tables import committed_blocks, format_tables, replace_block
-from megatron_dynamo.experiments.paired_stats import holm, paired_t, paired_t_power, t_cdf, t_quantile
+from megatron_dynamo.experiments.paired_stats import (detectable_effect, holm, paired_t, paired_t_power, seeds_for_power,
+                                                      t_cdf, t_quantile)
 from megatron_dynamo.experiments.raw_data import RUNS_COLUMNS, RUNS_FILE, read_runs
 
 RESULTS = os.path.join(REPO, "docs", "results", "testbed.md")  # the testbed's results page
 CONFIRMATORY = os.path.join("benchmarks", "results", "confirmatory")
+HYPOTHESES, SEEDS = REPLICATION.hypotheses, REPLICATION.seeds
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -147,12 +149,12 @@ def test_contrasts_tests_and_verdicts_on_known_effects():
     rows = _made_up_rows()
     pass1 = {(r["variant"], r["seed"]): r["pass1"] for r in rows}
     h = {h.key: h for h in HYPOTHESES}
-    assert per_seed_contrast(pass1, h["H2"]) == pytest.approx({s: 0.5 + 0.025 * ((s % 3) - 1 + (s == 15))
-                                                               for s in SEEDS})  # dynamo's wobble, a quarter
-    assert per_seed_contrast(pass1, h["H3"]) == pytest.approx({s: 0.1 + 0.025 * ((s % 3) - 1 + (s == 15))
-                                                               for s in SEEDS})
+    assert per_seed_contrast(pass1, h["H2"], SEEDS) == pytest.approx({s: 0.5 + 0.025 * ((s % 3) - 1 + (s == 15))
+                                                                      for s in SEEDS})  # dynamo's wobble, a quarter
+    assert per_seed_contrast(pass1, h["H3"], SEEDS) == pytest.approx({s: 0.1 + 0.025 * ((s % 3) - 1 + (s == 15))
+                                                                      for s in SEEDS})
     assert sorted(per_seed_contrast(pass1, h["C4"])) == list(range(6, 14))  # the grid's 8 seeds
-    analysis = analyse_runs(rows)
+    analysis = analyse_runs(rows, REPLICATION)
     tests = analysis["tests"]
     assert tests["H1"]["mean"] == pytest.approx(0.8) and tests["H1"]["n"] == 10
     assert tests["H4"]["mean"] == pytest.approx(0.2) and tests["C2b"]["mean"] == pytest.approx(0.1)
@@ -168,7 +170,7 @@ def test_contrasts_tests_and_verdicts_on_known_effects():
     assert answers[f"Does UMS stabilise GRPO at lr {HIGH_LR}?"] == "yes"
     # no degradation at the high lr: the grid is uninformative, whatever UMS does there
     flat = [{**r, "pass1": r["pass1"] + 0.03} if r["variant"].endswith("-hlr") else r for r in rows]
-    assert analyse_runs(flat)["answers"][f"Does UMS stabilise GRPO at lr {HIGH_LR}?"].startswith("uninformative")
+    assert analyse_runs(flat, REPLICATION)["answers"][f"Does UMS stabilise GRPO at lr {HIGH_LR}?"].startswith("uninformative")
 
 
 def _write_runs(directory, rows):
@@ -190,7 +192,8 @@ def test_dynamo_confirm_prints_writes_and_checks_the_tables(tmp_path):
     results.write_text("# Results\n\nsome text\n")
     printed = _confirm("data", cwd=tmp_path)
     assert printed.returncode == 0, printed.stderr
-    assert printed.stdout.rstrip("\n") == format_tables(read_runs(str(tmp_path / "data" / RUNS_FILE)), "data")
+    assert printed.stdout.rstrip("\n") == format_tables(read_runs(str(tmp_path / "data" / RUNS_FILE)), "data",
+                                                              REPLICATION)
     text = printed.stdout
     assert "| H1 | DynaMO - GRPO (primary) | 10 | +0.80 [" in text and "| sft | SFT start | 1 | 14.60 (1 seed)" in text
     assert "| grpo+ds | GRPO + dynamic sampling | 10 |" in text and "| 7680 |" in text
@@ -213,7 +216,8 @@ def test_a_partial_file_gives_how_many_runs_are_in_and_no_table(tmp_path):
     seed and machine and computes nothing else."""
     rows = [{**r, "machine": "CPU A" if r["seed"] < 9 else "CPU B", "warmup": "w"} for r in _made_up_rows()]
     partial = [r for r in rows if not (r["seed"] == 12 and r["variant"] == "dra")]
-    assert len(preregistered_runs()) == 152 and missing_runs(rows) == [] and missing_runs(partial) == [("dra", 12)]
+    assert len(REPLICATION.preregistered_runs()) == 152 and missing_runs(rows, REPLICATION) == []
+    assert missing_runs(partial, REPLICATION) == [("dra", 12)]
     _write_runs(tmp_path / "data", partial)
     printed = _confirm("data", cwd=tmp_path)
     assert printed.returncode == 0, printed.stderr
@@ -249,7 +253,7 @@ def test_the_committed_tables_are_what_the_command_prints():
         assert CONFIRMATORY in blocks, f"{CONFIRMATORY}/runs.csv is committed but docs/results/testbed.md has no tables of it"
     for source, block in blocks.items():
         rows = read_runs(os.path.join(REPO, source, RUNS_FILE))
-        assert block == format_tables(rows, source), \
+        assert block == format_tables(rows, source, study_of(rows, source)), \
             f"the tables of {source} are stale: dynamo confirm {source} --write docs/results/testbed.md"
 
 
@@ -263,3 +267,62 @@ def test_the_preregistrations_power_table_is_what_the_script_prints():
     doc = open(os.path.join(REPO, "docs", "ablation.md"), encoding="utf-8").read()
     (block,) = re.findall(r"<!-- power:preregistration -->\n(.*?)\n<!-- /power -->", doc, re.S)
     assert block == power_calc.preregistration_table()
+
+
+# ---------------------------------------------------------------------------------------------- power, as realised
+def test_the_detectable_effect_and_the_seed_count_invert_the_power():
+    for se, df, alpha in ((0.1, 9, 0.05), (0.222, 9, 0.005), (0.07, 18, 0.025)):
+        effect = detectable_effect(se, df, 0.8, alpha)
+        assert paired_t_power(effect, se, df, alpha) == pytest.approx(0.8, abs=1e-5)
+        assert paired_t_power(0.98 * effect, se, df, alpha) < 0.8 < paired_t_power(1.02 * effect, se, df, alpha)
+    # many seeds: the normal approximation (z_0.975 + z_0.8) SE
+    assert detectable_effect(0.1, 5000) == pytest.approx((1.959964 + 0.841621) * 0.1, rel=1e-3)
+    seeds = seeds_for_power(0.494, 0.48)
+    assert paired_t_power(0.48, math.sqrt(0.494 / seeds), seeds - 1) >= 0.8
+    assert paired_t_power(0.48, math.sqrt(0.494 / (seeds - 1)), seeds - 2) < 0.8
+    # the normal approximation undercounts by the t's heavier tails: n = var (z + z)^2 / d^2 = 16.8
+    assert 0.494 * (1.959964 + 0.841621) ** 2 / 0.48 ** 2 < seeds
+
+
+def test_the_power_lines_set_the_realised_error_against_the_plan():
+    rows = _made_up_rows()
+    analysis = analyse_runs(rows, REPLICATION)
+    line = analysis["power"]["H1"]
+    tests = analysis["tests"]
+    assert line["se"] == tests["H1"]["se"] and line["n"] == 10
+    assert line["planned_se"] == pytest.approx(math.sqrt(0.236 / 1.5 / 10))
+    assert line["ratio"] == pytest.approx(tests["H1"]["se"] / line["planned_se"])
+    assert line["detectable"] == pytest.approx(detectable_effect(tests["H1"]["se"], 9, 0.8, 0.05))
+    assert line["detectable_holm"] == pytest.approx(detectable_effect(tests["H1"]["se"], 9, 0.8, 0.005))
+    assert line["power"] == pytest.approx({e: paired_t_power(e, tests["H1"]["se"], 9) for e in (0.3, 0.57)})
+    assert analysis["power"]["C4"]["n"] == 8 and set(analysis["power"]) <= {h.key for h in HYPOTHESES}
+    text = format_tables(rows, "data", REPLICATION)
+    assert "| H1 | 10 | 0.125 |" in text and "detectable at power 0.8: alpha 0.05 / 0.005" in text
+
+
+def test_the_second_studys_seed_count_is_computed_from_the_first_studys_data():
+    """The preregistration's numbers (docs/ablation.md, power:second-study) come from the committed runs.csv of the
+    first study, and its design constants are those numbers."""
+    import re
+
+    rows = read_runs(os.path.join(REPO, CONFIRMATORY, RUNS_FILE))
+    plan = second_study_plan(rows)
+    assert plan["H1"]["seeds"] == len(SECOND.seeds) == 19 and set(SECOND.seeds).isdisjoint(range(1, 16))
+    assert SECOND.planned_variance == pytest.approx({k: v["variance"] for k, v in plan.items()}, abs=1e-4)
+    doc = open(os.path.join(REPO, "docs", "ablation.md"), encoding="utf-8").read()
+    (block,) = re.findall(r"<!-- power:second-study -->\n(.*?)\n<!-- /power -->", doc, re.S)
+    labels = {"H1": "H1 DynaMO - GRPO", "H2": "H2 DRA, marginal"}
+    for key, row in plan.items():
+        assert (f"| {labels[key]} | {row['estimate']:+.2f} | {row['variance']:.3f} | {row['seeds']} |") in block
+
+
+def test_a_runs_file_names_its_study_by_directory_or_seeds():
+    rows = _made_up_rows()
+    assert study_of(rows) is REPLICATION and study_of([], "benchmarks/results/confirmatory2") is SECOND
+    second = [{**r, "seed": r["seed"] + 10} for r in rows if r["variant"] in ("grpo", "dynamo")]
+    assert study_of(second) is SECOND
+    with pytest.raises(ValueError, match="no preregistered study"):
+        study_of([{**r, "seed": 99} for r in rows])
+    assert len(SECOND.preregistered_runs()) == 152 and set(STUDIES) == {"replication", "second"}
+    assert SECOND.preregistered_runs()[:8] == [(v, 16) for v in ("grpo", "dra", "gc", "ums", "dra+gc", "dra+ums",
+                                                                  "gc+ums", "dynamo")]

@@ -9,14 +9,48 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_dynamo.experiments.plan import first_difference, merge_plan
-from megatron_dynamo.experiments.provenance import (check_one_group_per_seed, checkpoint_hash, cpu_model, machine_id,
-                                                    seed_groups)
+from megatron_dynamo.experiments.provenance import check_one_group_per_seed, seed_groups
+from megatron_dynamo.trainer import provenance
+from megatron_dynamo.trainer.provenance import (checkpoint_hash, cpu_model, machine_id, read_run_provenance,
+                                                recorded_provenance, write_run_provenance, write_saved_warmup)
 
 
-def test_the_machine_names_its_cpu_cores_and_torch():
+def test_the_machine_names_its_cpu_cores_torch_and_kernel_libraries():
     name = machine_id()
     assert name.startswith(cpu_model() + ", ") and f"{os.cpu_count()} core" in name
-    assert name.endswith(f"torch {torch.__version__}")
+    assert f"torch {torch.__version__}, " in name
+    build = torch.__config__.show()
+    if "Math Kernel Library" in build:  # torch's CPU wheels: MKL and oneDNN, by version, and the ISA torch uses
+        assert ", MKL 20" in name and ", oneDNN " in name
+    assert name.endswith(torch.backends.cpu.get_cpu_capability())
+
+
+def test_a_run_records_its_machine_and_warm_up_as_it_starts_and_the_raw_data_copies_them(tmp_path, monkeypatch):
+    weights = {"w": torch.arange(6, dtype=torch.float32)}
+    _save(tmp_path / "warmup", weights)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert recorded_provenance(run, warmup_run=False) == ("", "")  # nothing recorded: nothing inferred
+    monkeypatch.setattr(provenance, "machine_id", lambda: "CPU A")
+    write_run_provenance(run, tmp_path / "warmup")
+    assert recorded_provenance(run, warmup_run=False) == ("CPU A", checkpoint_hash(tmp_path / "warmup"))
+    # resumed on another machine: the run names both, so its seed is not paired with either machine's runs
+    monkeypatch.setattr(provenance, "machine_id", lambda: "CPU B")
+    write_run_provenance(run, tmp_path / "warmup", resumed=True)
+    starts = read_run_provenance(run)["starts"]
+    assert [(s["machine"], s["resumed"]) for s in starts] == [("CPU A", False), ("CPU B", True)]
+    assert recorded_provenance(run, warmup_run=False)[0] == "CPU A then CPU B"
+    # a warm-up run: started from nothing, it records the checkpoint it saved
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    write_run_provenance(sft, None)
+    write_saved_warmup(sft, tmp_path / "warmup")
+    assert read_run_provenance(sft)["starts"][0]["warmup"] == ""
+    assert recorded_provenance(sft, warmup_run=True) == ("CPU B", checkpoint_hash(tmp_path / "warmup"))
+    # a start checkpoint over the hashing limit is named by its path, not read again
+    monkeypatch.setattr(provenance, "HASHED_START_BYTES", 0)
+    write_run_provenance(tmp_path / "big", tmp_path / "warmup") if (tmp_path / "big").mkdir() is None else None
+    assert read_run_provenance(tmp_path / "big")["starts"][0]["warmup"] == f"path {tmp_path / 'warmup'}"
 
 
 def _save(directory, weights):

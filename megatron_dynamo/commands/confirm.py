@@ -23,6 +23,9 @@ import sys
 
 def add_arguments(parser) -> None:
     parser.add_argument("directory", help="directory with runs.csv (dynamo ablate --raw-data DIR)")
+    parser.add_argument("--study", default=None, choices=("replication", "second"),
+                        help="the preregistered study whose analysis to run (default: the one whose raw data is "
+                             "DIR, else the one whose seeds runs.csv holds)")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", metavar="PAGE", default=None,
                         help="replace the tables' block in this Markdown file (appended when it has none)")
@@ -32,6 +35,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     # lazy: the preregistered statistics (mpmath's Student t) add ~40 ms to every `dynamo --help`
+    from megatron_dynamo.experiments.confirmatory import STUDIES, study_of
     from megatron_dynamo.experiments.confirmatory_tables import committed_blocks, format_tables, replace_block
     from megatron_dynamo.experiments.raw_data import RUNS_FILE, read_paired_runs
 
@@ -39,10 +43,11 @@ def main(args) -> int:
     path = os.path.join(source, RUNS_FILE)
     try:
         rows = read_paired_runs(path)
+        study = STUDIES[args.study] if args.study else study_of(rows, source)
     except (OSError, ValueError) as exc:
         print(f"dynamo confirm: {path}: {exc}", file=sys.stderr)
         return 2
-    tables = format_tables(rows, source)
+    tables = format_tables(rows, source, study)
     target = args.write or args.check
     if target is None:
         print(tables)

@@ -19,7 +19,6 @@ from megatron_dynamo.experiments.executor import (Launch, RunResult, StateOf, Su
 from megatron_dynamo.experiments.outputs import write_outputs, write_raw
 from megatron_dynamo.experiments.plan import (PLAN_FILE, RunSpec, merge_plan, plan_record, plan_runs, run_dir,
                                               run_overrides, sft_checkpoint, train_command, variant_algo, warmup_hash)
-from megatron_dynamo.experiments.provenance import machine_id
 from megatron_dynamo.experiments.raw_data import PLAN_FILE as RAW_PLAN_FILE
 from megatron_dynamo.experiments.raw_data import RawData, RecordedRuns, read_raw_data
 from megatron_dynamo.experiments.stats import eval_at, training_rows
@@ -27,6 +26,7 @@ from megatron_dynamo.experiments.variants import RESERVED_KEYS, SFT, VARIANTS, d
 from megatron_dynamo.report.thresholds import parse_seeds, tail_mean
 from megatron_dynamo.trainer.config import RunConfig, load_run_config
 from megatron_dynamo.trainer.preflight import check_run_inputs, check_training_prompts
+from megatron_dynamo.trainer.provenance import machine_id
 
 @dataclass
 class AblationPlan:

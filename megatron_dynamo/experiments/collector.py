@@ -1,5 +1,5 @@
 """The Collector stage: what a run left in its directory. Its metrics and prompts (:func:`read_run`), its
-checkpoints, its state for a resume (:func:`run_state`: done / resume / fresh), its wall time and machine
+checkpoints, its state for a resume (:func:`run_state`: done / resume / fresh), its wall time
 (``ablate_run.json``: :func:`record_seconds`, :func:`run_record`) and the numbers of every finished run of an
 ablation (:func:`collect`, one :func:`~megatron_dynamo.experiments.stats.run_summary` each)."""
 
@@ -11,7 +11,6 @@ import os
 from typing import Any, Sequence
 
 from megatron_dynamo.experiments.plan import RunSpec
-from megatron_dynamo.experiments.provenance import machine_id
 from megatron_dynamo.experiments.stats import has_final_eval, run_summary, training_rows
 from megatron_dynamo.experiments.variants import SFT
 from megatron_dynamo.report.runs import METRICS_FILE, load_run
@@ -49,11 +48,11 @@ def run_state(spec: RunSpec, steps: int) -> str:
 
 
 def record_seconds(spec: RunSpec, seconds: float, resumed: bool) -> None:
-    """Keep a finished run's wall time and the machine it ran on in its directory (``resumed``: the time of the
-    call that finished it)."""
+    """Keep a finished run's wall time in its directory (``resumed``: the time of the call that finished it; the
+    machine is the run's own record, ``trainer/provenance.py``)."""
     with contextlib.suppress(OSError):  # a lost record costs a time in a table, not the run
         with open(os.path.join(spec.output_dir, RUN_RECORD), "w", encoding="utf-8") as f:
-            json.dump({"seconds": seconds, "resumed": resumed, "machine": machine_id()}, f)
+            json.dump({"seconds": seconds, "resumed": resumed}, f)
 
 
 def run_record(spec: RunSpec) -> dict[str, Any]:

@@ -12,8 +12,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from megatron_dynamo.experiments.variants import SFT, VARIANTS, display_order
-from megatron_dynamo.experiments.confirmatory import (ALPHA, DESCRIPTIVE, HYPOTHESES, SEEDS, analyse_runs, missing_runs,
-                                                      preregistered_runs)
+from megatron_dynamo.experiments.confirmatory import ALPHA, POWER, Study, analyse_runs, missing_runs
 from megatron_dynamo.experiments.provenance import seed_groups
 from megatron_dynamo.experiments.paired_stats import paired_t
 
@@ -81,29 +80,54 @@ def _warmup_label(row: Mapping[str, Any], warmups: int) -> str:
     return f"SFT start on {row.get('machine') or 'an unrecorded machine'} (warm-up {row.get('warmup') or '?'})"
 
 
-def hypotheses_table(analysis: Mapping[str, Any]) -> str:
+def hypotheses_table(analysis: Mapping[str, Any], study: Study) -> str:
     """Every preregistered test: estimate [95% t interval], t, p, Holm-adjusted p, verdict; then the descriptive
     contrasts (not tested)."""
     header = ["", "contrast (held-out pass@1, points, paired by seed)", "seeds", "estimate [95% CI]", "t", "p",
               "p (Holm)", "verdict"]
     out = []
-    for h in HYPOTHESES:
+    for h in study.hypotheses:
         t = analysis["tests"][h.key]
         out.append([h.key, h.question, str(t["n"]), _fmt(t), f"{t['t']:.2f}" if t["t"] is not None else "-",
                     _p(t["p"]), _p(t["p_holm"]), t["verdict"]])
-    for h in DESCRIPTIVE:
+    for h in study.descriptive:
         t = analysis["descriptive"][h.key]
         out.append([h.key, h.question, str(t["n"]), _fmt(t), f"{t['t']:.2f}" if t["t"] is not None else "-",
                     _p(t["p"]), "(not tested)", "-"])
     return _markdown(header, out)
 
 
-def progress_table(rows: Sequence[Mapping[str, Any]]) -> str:
+def power_table(analysis: Mapping[str, Any], study: Study) -> str:
+    """Per test, what the design resolved as realised: planned and realised standard errors, the smallest effect
+    detectable with power 0.8 (at alpha and at Holm's first threshold), the power against the planned effects, and
+    what its verdict therefore says."""
+    m = len(study.hypotheses)
+    header = ["", "seeds", "planned SE", "realised SE", "realised / planned",
+              f"detectable at power {POWER:g}: alpha {ALPHA:g} / {ALPHA / m:.3g} (Holm's first step)",
+              f"power against the planned effects (alpha {ALPHA:g})", "what the verdict says"]
+    out = []
+    for h in study.hypotheses:
+        line = analysis["power"].get(h.key)
+        if line is None:
+            continue
+        verdict = analysis["tests"][h.key]["verdict"]
+        if verdict.startswith("not resolved"):
+            says = (f"not resolved: says little of effects below {line['detectable']:+.2f} (missed more than 1 "
+                    "time in 5)")
+        else:
+            says = verdict.split(";")[0]
+        powers = ", ".join(f"{p:.2f} at {effect:+.2f}" for effect, p in line["power"].items())
+        out.append([h.key, str(line["n"]), f"{line['planned_se']:.3f}", f"{line['se']:.3f}", f"{line['ratio']:.1f}x",
+                    f"{line['detectable']:+.2f} / {line['detectable_holm']:+.2f}", powers, says])
+    return _markdown(header, out)
+
+
+def progress_table(rows: Sequence[Mapping[str, Any]], study: Study) -> str:
     """Per preregistered seed: its runs in, of how many, and the machine and warm-up they ran on. No result."""
     expected: dict[int, int] = {}
-    for _, seed in preregistered_runs():
+    for _, seed in study.preregistered_runs():
         expected[seed] = expected.get(seed, 0) + 1
-    missing = set(missing_runs(rows))
+    missing = set(missing_runs(rows, study))
     groups = seed_groups(r for r in rows if (r["variant"], int(r["seed"])) not in missing)
     out = []
     for seed, total in expected.items():
@@ -113,33 +137,37 @@ def progress_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return _markdown(["seed", "runs in", "of", "machine, warm-up"], out)
 
 
-def format_tables(rows: Sequence[Mapping[str, Any]], source: str) -> str:
-    """The block of the results page: the variants, the tests, the controls' answers (Markdown, no trailing newline).
-    While preregistered runs are missing: only how many are in, per seed and machine (the preregistration
-    analyses the whole experiment: no table of a part)."""
-    missing = missing_runs(rows)
+def format_tables(rows: Sequence[Mapping[str, Any]], source: str, study: Study) -> str:
+    """The block of the results page: the variants, the tests, the power lines, the controls' answers (Markdown, no
+    trailing newline). While preregistered runs are missing: only how many are in, per seed and machine (the
+    preregistration analyses the whole experiment: no table of a part)."""
+    missing = missing_runs(rows, study)
     if missing:
-        total = len(preregistered_runs())
+        total = len(study.preregistered_runs())
         return "\n\n".join([
             f"Generated by `dynamo confirm {source}` from `{source}/runs.csv`; do not edit by hand. "
             f"{total - len(missing)} of the {total} preregistered runs are in. The tables come when all are: the "
             "preregistration analyses the whole experiment, and no table of a part is computed "
             "(docs/ablation.md, Preregistration).",
-            progress_table(rows)])
-    analysis = analyse_runs(rows)
-    c1 = analysis["tests"]["C1"].get("ci90") or {}
-    answers = _markdown(["question", "answer (preregistered rule)"],
-                        [[q, a] for q, a in analysis["answers"].items()])
-    return "\n\n".join([
+            progress_table(rows, study)])
+    analysis = analyse_runs(rows, study)
+    keys = [h.key for h in study.hypotheses]
+    parts = [
         f"Generated by `dynamo confirm {source}` from `{source}/runs.csv` ({len(rows)} runs); do not edit by hand. "
         f"Intervals: two-sided 95% Student t over seeds (paired by seed for differences); p: two-sided paired t; "
-        f"Holm over the {len(HYPOTHESES)} tests H1-C4 at {ALPHA}. Preregistered seeds {SEEDS[0]}..{SEEDS[-1]} "
-        "(docs/ablation.md, Preregistration).",
+        f"Holm over the {len(keys)} tests {keys[0]}-{keys[-1]} at {ALPHA}. Preregistered seeds "
+        f"{study.seeds[0]}..{study.seeds[-1]} (docs/ablation.md, Preregistration).",
         variants_table(rows),
-        hypotheses_table(analysis),
-        f"C1's 90% interval (equivalence at +-0.3 points): {_fmt(c1)}.",
-        answers,
-    ])
+        hypotheses_table(analysis, study),
+        "What the design could resolve, as realised (power of the two-sided paired t test, the noncentral t, at the "
+        "realised standard error; planned SE: the preregistered per-seed variance over the seeds in):",
+        power_table(analysis, study)]
+    if "C1" in analysis["tests"]:
+        parts.append(f"C1's 90% interval (equivalence at +-0.3 points): {_fmt(analysis['tests']['C1'].get('ci90') or {})}.")
+    if analysis["answers"]:
+        parts.append(_markdown(["question", "answer (preregistered rule)"],
+                               [[q, a] for q, a in analysis["answers"].items()]))
+    return "\n\n".join(parts)
 
 
 def block_pattern(source: str) -> re.Pattern:
@@ -161,5 +189,5 @@ def replace_block(text: str, source: str, tables: str) -> str:
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
-__all__ = ["BEGIN", "END", "block_pattern", "committed_blocks", "format_tables", "hypotheses_table",
+__all__ = ["BEGIN", "END", "block_pattern", "committed_blocks", "format_tables", "hypotheses_table", "power_table",
            "progress_table", "replace_block", "variants_table"]

@@ -9,15 +9,15 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.experiments.collector import recorded_seconds, run_record, run_state
+from megatron_dynamo.experiments.collector import recorded_seconds, run_state
 from megatron_dynamo.experiments.executor import RunResult
-from megatron_dynamo.experiments.plan import RunSpec, merge_plan, plan_runs, warmup_hash
+from megatron_dynamo.experiments.plan import RunSpec, merge_plan, plan_runs
 from megatron_dynamo.experiments.plot import plot_ablation
-from megatron_dynamo.experiments.provenance import machine_id
 from megatron_dynamo.experiments.raw_data import (PLAN_FILE, FinishedRun, RawData, merge_rows, read_raw_data,
                                                   run_problems, run_row, write_raw_data)
 from megatron_dynamo.experiments.tables import format_markdown
 from megatron_dynamo.experiments.variants import display_order
+from megatron_dynamo.trainer.provenance import recorded_provenance
 from megatron_dynamo.report.page import write_report
 from megatron_dynamo.report.runs import load_run
 
@@ -82,13 +82,11 @@ def write_raw(raw_dir: str, output_dir: str, plan: Mapping[str, Any], *, steps: 
     variants = display_order(merged.get("variants", []))
     specs = plan_runs(output_dir, sorted(int(s) for s in merged.get("seeds", [])), variants, with_sft,
                       shared_sft_seed)
-    here = machine_id()
     local = {}
     for s in specs:
-        if run_state(s, steps) == "done":
+        if run_state(s, steps) == "done":  # machine and warm-up as the run recorded them, never inferred here
             run = FinishedRun(s.variant, s.seed, s.output_dir, recorded_seconds(s),
-                              run_record(s).get("machine") or here, warmup_hash(output_dir, s.seed if s.is_sft
-                                                                                else s.sft_seed))
+                              *recorded_provenance(s.output_dir, warmup_run=s.is_sft))
             row = run_row(run, k)
             local[id(row)] = (row, run)  # merge_rows keeps the row objects: their runs' problems are read below
     rows = merge_rows([row for row, _ in local.values()], recorded.rows, variants)

@@ -20,6 +20,7 @@ in both lock files; numpy does the rest.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -113,4 +114,36 @@ def paired_t_power(effect: float, se: float, df: int, alpha: float = 0.05) -> fl
     return float(mpmath.quad(integrand, [0, df, 4 * df, mpmath.inf]))
 
 
-__all__ = ["holm", "paired_t", "paired_t_power", "t_cdf", "t_quantile"]
+def detectable_effect(se: float, df: int, power: float = 0.8, alpha: float = 0.05) -> float:
+    """The smallest true effect (> 0, same units as ``se``) that the two-sided paired t test at ``alpha`` with
+    standard error ``se`` on ``df`` degrees of freedom detects with probability ``power``: the root of
+    :func:`paired_t_power` (increasing in the effect), in units of ``se``: bracketed, then refined (Illinois) to
+    1e-9 of the power, about ten evaluations of the power's integral."""
+    if not 0 < power < 1:
+        raise ValueError(f"power must lie in (0, 1), got {power}")
+    return se * _detectable_shift(df, power, alpha)
+
+
+@functools.lru_cache(maxsize=256)
+def _detectable_shift(df: int, power: float, alpha: float) -> float:
+    # the power depends on the effect only through effect / se: one root per (df, power, alpha)
+    lo, hi = 0.0, 4.0
+    while paired_t_power(hi, 1.0, df, alpha) < power:
+        lo, hi = hi, 2 * hi
+    return float(mpmath.findroot(lambda x: paired_t_power(float(x), 1.0, df, alpha) - power, (lo, hi),
+                                 solver="illinois", tol=1e-18))
+
+
+def seeds_for_power(variance: float, effect: float, power: float = 0.8, alpha: float = 0.05,
+                    max_seeds: int = 1000) -> int:
+    """The fewest seeds S >= 2 at which the two-sided paired t test at ``alpha`` has at least ``power`` against a
+    true mean ``effect``, when one seed's paired difference has ``variance`` (SE = sqrt(variance / S), S - 1 df)."""
+    if variance <= 0 or effect == 0:
+        raise ValueError(f"need variance > 0 and effect != 0; got {variance}, {effect}")
+    for seeds in range(2, max_seeds + 1):
+        if paired_t_power(abs(effect), math.sqrt(variance / seeds), seeds - 1, alpha) >= power:
+            return seeds
+    raise ValueError(f"more than {max_seeds} seeds needed for power {power} against {effect}")
+
+
+__all__ = ["detectable_effect", "holm", "paired_t", "paired_t_power", "seeds_for_power", "t_cdf", "t_quantile"]

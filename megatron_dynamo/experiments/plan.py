@@ -10,9 +10,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from megatron_dynamo.experiments.provenance import checkpoint_hash
 from megatron_dynamo.experiments.variants import SFT, VARIANTS
 from megatron_dynamo.trainer.checkpoint import latest_checkpoint
+from megatron_dynamo.trainer.provenance import checkpoint_hash
 
 PLAN_FILE = "ablation_plan.json"
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_dynamo.algorithms.allocation import PromptHistory
 from megatron_dynamo.data.dataset import PromptSampler
 from megatron_dynamo.eval.runner import EvalError, build_prompts, load_benchmarks
+from megatron_dynamo.trainer.provenance import write_run_provenance, write_saved_warmup
 from megatron_dynamo.models.checkpoint_dirs import latest_checkpoint
 from megatron_dynamo.models.export import export_to_hf
 from megatron_dynamo.models.qwen import load_hf_config, recompute_kwargs
@@ -69,6 +70,9 @@ class Trainer:
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(asdict(run), indent=2, default=str))
+            # where the numbers come from, recorded by the run itself as it starts (results are bit-identical on
+            # one machine only): the machine and the hash of the warm-up it starts from
+            write_run_provenance(self.output_dir, run.model.checkpoint, resumed=resume)
             self.tokenizer = build_tokenizer(run, self.output_dir)
         dist.barrier()
         if self.rank != 0:
@@ -211,7 +215,9 @@ class Trainer:
             if eval_metrics and logger is not None:
                 logger.log(0, eval_metrics)
             if run.trainer.steps == 0 and self.resume_from is None:  # the warm-up alone: its model is the result
-                self.save(0)
+                saved = self.save(0)
+                if self.rank == 0:
+                    write_saved_warmup(self.output_dir, saved)
             for step in range(start_step + 1, run.trainer.steps + 1):
                 signum = self.source.stop_signal()  # every rank, so all stop after the same step
                 if signum:
