@@ -230,6 +230,25 @@ def test_a_baseline_that_equals_grpo_says_so_at_start_up():
         assert equals_grpo_note(load_run_config(CPU_DEFAULT, algo=algo), algo) is None
 
 
+def test_the_baselines_are_named_once_in_their_registry(monkeypatch):
+    """--algo's help in both commands and the ratio-only note read the registry: a baseline is added in one place."""
+    import dataclasses
+
+    from megatron_dynamo.algorithms.baselines import BASELINES
+    from megatron_dynamo.cli import build_parser
+    from megatron_dynamo.commands.train import equals_grpo_note
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for command in (commands["train"], commands["launch"]._subparsers._group_actions[0].choices["run"]):
+        (algo,) = [a for a in command._actions if a.dest == "algo"]
+        assert tuple(algo.choices) == ("dynamo", "grpo", *BASELINES)
+        assert ", ".join(BASELINES) + ": GRPO plus that baseline" in algo.help
+    assert {name for name, b in BASELINES.items() if b.ratio_only} == {"clip_higher", "kl_cov"}
+    monkeypatch.setitem(BASELINES, "kl_cov", dataclasses.replace(BASELINES["kl_cov"], ratio_only=False))
+    assert equals_grpo_note(load_run_config(CPU_DEFAULT, algo="kl_cov"), "kl_cov") is None
+
+
 # issue 41 ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,nproc,needles", [
     (["parallel.expert_parallel=2"], 2, ["parallel.expert_parallel: must be 1 for a dense model"]),

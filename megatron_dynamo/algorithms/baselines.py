@@ -36,11 +36,14 @@ class Baseline:
     """One baseline of the paper's Table 1, registered once: its row label in the paper, the PolicyLossConfig fields
     it sets (``loss``; a ``name`` there is a policy loss registered below) and the DynamoConfig fields it sets
     (``dynamo``). ``dynamo train --algo NAME`` applies both over GRPO (``trainer.config.with_algorithm``);
-    ``dynamo ablate``'s variant NAME (``experiments/variants.py``) takes its label from here."""
+    ``dynamo ablate``'s variant NAME (``experiments/variants.py``) takes its label from here. ``ratio_only``: it
+    changes only what happens where the ratio pi / pi_old moves away from 1, so with one PPO mini-batch a step it
+    equals GRPO (``dynamo train`` says so; docs/baselines.md)."""
 
     label: str
     loss: Mapping[str, Any]
     dynamo: Mapping[str, Any] = field(default_factory=dict)
+    ratio_only: bool = False
 
     def keys(self) -> dict[str, Any]:
         """The config keys the baseline sets (``dynamo.loss.name`` ...) and their values."""
@@ -50,16 +53,20 @@ class Baseline:
 
 #: name -> the baseline (``dynamo train --algo NAME``), in the paper's Table 1 order.
 BASELINES: dict[str, Baseline] = {
-    "clip_higher": Baseline("Clip-Higher", {"clip_low": 0.2, "clip_high": 0.28}),
+    "clip_higher": Baseline("Clip-Higher", {"clip_low": 0.2, "clip_high": 0.28}, ratio_only=True),
     "entropy_loss": Baseline("Entropy Loss", {"name": "entropy_loss"}),
     "fork_tokens": Baseline("Fork Tokens", {"name": "fork_tokens"}),
     "entropy_adv": Baseline("Entropy Advantages", {"name": "entropy_adv"}),
     "clip_cov": Baseline("Clip-COV", {"name": "clip_cov"}),
-    "kl_cov": Baseline("KL-COV", {"name": "kl_cov"}),
+    "kl_cov": Baseline("KL-COV", {"name": "kl_cov"}, ratio_only=True),
     # W-REINFORCE without the dual clip (c = None): its source's PPO clip has none (issue 32)
     "w_reinforce": Baseline("W-REINFORCE", {"name": "w_reinforce", "clip_ratio_c": None},
                             {"advantage_estimator": "reinforce_pm1"}),
 }
+#: The ``--algo`` help of every command that takes it, from the registry: a new baseline is added in one place.
+ALGO_HELP = ("dynamo: the recipe as given; grpo: dynamic allocation and both modulation factors off; "
+             f"{', '.join(BASELINES)}: GRPO plus that baseline of the paper's Table 1 (README, "
+             "algorithms/baselines.py)")
 #: What ``--algo grpo`` sets, and every baseline with it: dynamic allocation and both modulation factors off.
 GRPO_KEYS: dict[str, Any] = {"dynamo.allocation.enabled": False, "dynamo.modulation.gc": False,
                              "dynamo.modulation.ums": False}
@@ -292,5 +299,5 @@ def reinforce_pm1_advantages(rewards: Any, prompt_ids: Any, normalize_std: bool 
     return torch.where(rewards_t > 0.5, 1.0, -1.0).to(dtype)
 
 
-__all__ = ["BASELINES", "GRPO_KEYS", "Baseline", "algorithm_keys", "algorithm_note", "check_algorithm_overrides", "SELECTION_LOSSES", "centred_covariance", "clip_cov_selection", "fork_token_weights",
+__all__ = ["ALGO_HELP", "BASELINES", "GRPO_KEYS", "Baseline", "algorithm_keys", "algorithm_note", "check_algorithm_overrides", "SELECTION_LOSSES", "centred_covariance", "clip_cov_selection", "fork_token_weights",
            "kl_cov_selection", "mini_batch_selection", "reinforce_pm1_advantages"]

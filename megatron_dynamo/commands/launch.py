@@ -35,6 +35,7 @@ import tempfile
 
 import yaml
 
+from megatron_dynamo.algorithms.baselines import ALGO_HELP
 from megatron_dynamo.config import ConfigError, parse_yaml, to_dict
 from megatron_dynamo.launch import nemo
 from megatron_dynamo.launch.entry import convert_args
@@ -51,9 +52,7 @@ def _site_arguments(parser) -> None:
                              "src=, out=, tp=, pp=, tokenizer=, dtype=, force=")
 
     parser.add_argument("--algo", choices=ALGORITHMS, default="dynamo",
-                        help="dynamo: the recipe as given; grpo: dynamic allocation and both modulation factors off; "
-                             "clip_higher, entropy_loss, fork_tokens, entropy_adv, clip_cov, kl_cov, w_reinforce: "
-                             "GRPO plus that baseline of the paper's Table 1 (README, algorithms/baselines.py)")
+                        help=ALGO_HELP)
     parser.add_argument("--ckpt-root", default=None,
                         help="directory of HF checkpoints: model.checkpoint/tokenizer become <root>/<HF name> "
                              "(default $DYNAMO_CKPT_ROOT, else the YAML's relative path)")

@@ -42,7 +42,7 @@ import os
 import sys
 
 from megatron_dynamo import heap, library_logs
-from megatron_dynamo.algorithms.baselines import algorithm_note
+from megatron_dynamo.algorithms.baselines import ALGO_HELP, BASELINES, algorithm_note
 from megatron_dynamo.config import ConfigError
 from megatron_dynamo.launch.ranks import launch_training, resolve_topology
 from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
@@ -62,9 +62,7 @@ def add_arguments(parser) -> None:
                                        "dynamo, optim, trainer, checkpoint, logging")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of recipe keys")
     parser.add_argument("--algo", choices=ALGORITHMS, default="dynamo",
-                        help="dynamo: the recipe as given; grpo: dynamic allocation and both modulation factors off; "
-                             "clip_higher, entropy_loss, fork_tokens, entropy_adv, clip_cov, kl_cov, w_reinforce: "
-                             "GRPO plus that baseline of the paper's Table 1 (README, algorithms/baselines.py)")
+                        help=ALGO_HELP)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint under the run's checkpoint directory")
     parser.add_argument("--nproc", type=int, default=None,
@@ -85,15 +83,11 @@ def layout_line(cfg, topology: JobTopology, kind: str) -> str:
     return line
 
 
-#: The baselines that change only what happens when the ratio pi / pi_old moves away from 1 (docs/baselines.md).
-RATIO_ONLY_BASELINES = ("clip_higher", "kl_cov")
-
-
 def equals_grpo_note(cfg, algo: str) -> str | None:
     """A note when ``algo`` cannot differ from GRPO: with one PPO mini-batch a step and one epoch every update runs
     at the policy that generated the responses, the ratio is 1, and a ratio-only baseline gives GRPO's metrics."""
     mini_batches = cfg.data.prompts_per_step // cfg.trainer.mini_batch_prompts * cfg.trainer.ppo_epochs
-    if algo not in RATIO_ONLY_BASELINES or mini_batches > 1:
+    if algo not in BASELINES or not BASELINES[algo].ratio_only or mini_batches > 1:
         return None
     return (f"note: --algo {algo} acts only where pi / pi_old moves away from 1; with one mini-batch a step "
             f"(data.prompts_per_step = trainer.mini_batch_prompts = {cfg.trainer.mini_batch_prompts}, ppo_epochs 1) "
