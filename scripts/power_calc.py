@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_dynamo.experiments.confirmatory import REPLICATION_EFFECTS, REPLICATION_PLAN
 from megatron_dynamo.experiments.paired_stats import paired_t_power, t_quantile
 
 
@@ -56,20 +57,15 @@ def _chi2_quantile(q: float, df: int, draws: int = 400_000) -> float:
     return float(np.quantile(np.random.default_rng(0).chisquare(df, draws), q))
 
 
-# Measured on the 2026-11-25 testbed run (docs/results/testbed.md, "The paper's Tables 1 and 2 on the mechanism
-# testbed"; evaluation 1000 problems x 8): the evaluation noise of one paired difference, problem-clustered, 0.236
-# points^2, and the training variance sigma_train^2 = 0 (all of the seed-to-seed spread was evaluation noise). At 1500
-# problems the evaluation part shrinks by 1000/1500: V = 0.157 points^2 per paired difference and seed. A marginal
-# effect averages 4 paired differences: V / 4 if they were independent; its measured per-seed variances (5 seeds,
-# rounded per-seed values) were 0.155 (DRA), 0.068 (GC), 0.075 (UMS) points^2 at 1000 problems, x 2/3 at 1500.
-PAIR_VARIANCE = 0.236 * 1000 / 1500
+# The first study's power plan is its Study's (experiments/confirmatory.py: REPLICATION_PLAN, from the 2026-11-25
+# testbed run), so that dynamo confirm's planned standard errors are this table's.
 PREREGISTRATION_INPUTS = (  # (test, per-seed variance in points^2 at 1500 x 8, seeds, effects to power against)
-    ("H1 DynaMO - GRPO", PAIR_VARIANCE, 10, (0.3, 0.57)),
-    ("H2 DRA marginal", 0.155 * 2 / 3, 10, (0.22, 0.6)),
-    ("H3 GC marginal", 0.068 * 2 / 3, 10, (0.14, 0.3)),
-    ("H4 UMS marginal", 0.075 * 2 / 3, 10, (0.25, 0.3)),
-    ("C1-C3 one paired difference", PAIR_VARIANCE, 10, (0.3, 0.5)),
-    ("C4 UMS marginal at the high lr (2 pairs)", PAIR_VARIANCE / 2, 8, (0.3, 0.5)),
+    ("H1 DynaMO - GRPO", REPLICATION_PLAN["H1"], 10, REPLICATION_EFFECTS["H1"]),
+    ("H2 DRA marginal", REPLICATION_PLAN["H2"], 10, REPLICATION_EFFECTS["H2"]),
+    ("H3 GC marginal", REPLICATION_PLAN["H3"], 10, REPLICATION_EFFECTS["H3"]),
+    ("H4 UMS marginal", REPLICATION_PLAN["H4"], 10, REPLICATION_EFFECTS["H4"]),
+    ("C1-C3 one paired difference", REPLICATION_PLAN["C1"], 10, REPLICATION_EFFECTS["C1"]),
+    ("C4 UMS marginal at the high lr (2 pairs)", REPLICATION_PLAN["C4"], 8, REPLICATION_EFFECTS["C4"]),
 )
 
 

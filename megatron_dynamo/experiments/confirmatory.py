@@ -270,4 +270,4 @@ def study_of(rows: Sequence[Mapping[str, Any]], directory: str | None = None) ->
 
 __all__ = ["ALPHA", "DEGRADATION", "EQUIVALENCE_MARGIN", "HIGH_LR_SEEDS", "Hypothesis", "POWER", "REPLICATION",
            "SECOND", "STUDIES", "Study", "analyse_runs", "answers", "missing_runs", "per_seed_contrast",
-           "power_lines", "second_study_plan", "study_of", "verdict"]
+           "power_lines", "REPLICATION_EFFECTS", "REPLICATION_PLAN", "second_study_plan", "study_of", "verdict"]

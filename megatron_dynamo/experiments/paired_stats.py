@@ -12,7 +12,8 @@ p_(j)); rejecting where the adjusted value is below alpha controls the family-wi
 Power of the two-sided paired t test at level alpha against a true mean effect delta with standard error SE on
 n - 1 = df degrees of freedom: T = (Z + delta/SE) / sqrt(V / df), V ~ chi^2_df, so
 power = E_V[Phi(delta/SE - c sqrt(V/df)) + Phi(-delta/SE - c sqrt(V/df))], c = t_{df, 1 - alpha/2} (the
-noncentral t), integrated numerically.
+noncentral t), integrated numerically. Inverted: the smallest effect detectable with a given power
+(:func:`detectable_effect`) and the fewest seeds that give it (:func:`seeds_for_power`).
 
 The t distribution comes from mpmath (the regularized incomplete beta function), a dependency of torch's sympy and
 in both lock files; numpy does the rest.
@@ -99,19 +100,27 @@ def holm(pvalues: Mapping[str, float | None]) -> dict[str, float | None]:
 
 def paired_t_power(effect: float, se: float, df: int, alpha: float = 0.05) -> float:
     """Power of the two-sided paired t test at ``alpha`` against a true mean ``effect`` with standard error ``se``
-    on ``df`` degrees of freedom (module docstring)."""
+    on ``df`` degrees of freedom (module docstring). The expectation over V ~ chi^2_df is an integral over
+    u = log V of a smooth integrand that decays exponentially on the left and double-exponentially on the right,
+    where the trapezoid rule converges geometrically: 2001 points give 1e-13 against scipy's noncentral t (tests)."""
     if se <= 0 or df < 1 or not 0 < alpha < 1:
         raise ValueError(f"need se > 0, df >= 1, 0 < alpha < 1; got {se}, {df}, {alpha}")
     shift = effect / se
     critical = t_quantile(1 - alpha / 2, df)
-    half = mpmath.mpf(df) / 2
+    half = df / 2
+    u = np.linspace(-80.0 / df - 2.0, math.log(df + 20 * math.sqrt(df) + 60), 2001)
+    v = np.exp(u)
+    weight = np.exp(half * u - v / 2 - half * math.log(2) - math.lgamma(half))  # chi^2 density x dV/du
+    scale = critical * np.sqrt(v / df)
+    inside = _normal_cdf(shift - scale) + _normal_cdf(-shift - scale)
+    return float((u[1] - u[0]) * np.dot(weight, inside))  # the ends contribute nothing at this precision
 
-    def integrand(v):
-        density = mpmath.exp((half - 1) * mpmath.log(v) - v / 2 - half * mpmath.log(2) - mpmath.loggamma(half))
-        scale = critical * mpmath.sqrt(v / df)
-        return density * (mpmath.ncdf(shift - scale) + mpmath.ncdf(-shift - scale))
 
-    return float(mpmath.quad(integrand, [0, df, 4 * df, mpmath.inf]))
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * _erfc(-x / math.sqrt(2)).astype(np.float64)
 
 
 def detectable_effect(se: float, df: int, power: float = 0.8, alpha: float = 0.05) -> float:
