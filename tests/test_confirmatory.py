@@ -326,3 +326,26 @@ def test_a_runs_file_names_its_study_by_directory_or_seeds():
     assert len(SECOND.preregistered_runs()) == 152 and set(STUDIES) == {"replication", "second"}
     assert SECOND.preregistered_runs()[:8] == [(v, 16) for v in ("grpo", "dra", "gc", "ums", "dra+gc", "dra+ums",
                                                                   "gc+ums", "dynamo")]
+
+
+def test_the_pages_quote_the_first_studys_power_lines_as_computed():
+    """The README and the testbed page say in words what the replication could resolve; those numbers are the power
+    lines dynamo confirm computes from the committed runs.csv, not figures typed once and left to drift."""
+    rows = read_runs(os.path.join(REPO, CONFIRMATORY, RUNS_FILE))
+    power = analyse_runs(rows, REPLICATION)["power"]
+    readme = " ".join(open(os.path.join(REPO, "README.md"), encoding="utf-8").read().split())
+    page = " ".join(open(RESULTS, encoding="utf-8").read().split())
+    detectable = {key: f"{power[key]['detectable']:+.2f}" for key in ("H1", "H2", "H3", "H4", "C4")}
+    for text in (readme, page):
+        assert f"at least {detectable['H1']} points for H1" in text
+        assert f"{detectable['H2']} for DRA, {detectable['H3']} for GC" in text
+        assert f"{detectable['H4']} for UMS" in text
+    assert f"(+{power['H1']['detectable_holm']:.2f} at Holm's first threshold)" in page
+    assert f"{detectable['C4']} for UMS at the high learning rate" in page
+    scaled = [power[key]["power"][effect] for key, effect in (("H2", 0.22), ("H3", 0.14), ("H4", 0.25))]
+    assert "power {:.2f} (DRA), {:.2f} (GC) and {:.2f} (UMS)".format(*scaled) in page
+    assert f"power {min(scaled):.2f}-{max(scaled):.2f} against the paper's scaled effects" in readme
+    own = paired_t_power(analyse_runs(rows, REPLICATION)["tests"]["H1"]["mean"], power["H1"]["se"], 9)
+    assert f"H1 {own:.2f} at its own estimate" in page
+    ratios = [line["ratio"] for line in power.values()]
+    assert f"{min(r for r in ratios if r > 1.2):.1f}-{max(ratios):.1f}x" in readme and "1.5-3.3x" in page
