@@ -3,6 +3,7 @@ not the files' metadata), the one-group-per-seed rule, and the plan comparison t
 code continue an experiment (a new option at its default is no change; a changed value is)."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -39,6 +40,10 @@ def test_a_run_records_its_machine_and_warm_up_as_it_starts_and_the_raw_data_cop
     write_run_provenance(run, tmp_path / "warmup", resumed=True)
     starts = read_run_provenance(run)["starts"]
     assert [(s["machine"], s["resumed"]) for s in starts] == [("CPU A", False), ("CPU B", True)]
+    # the code that ran: this checkout's commit (other code, other kernels: another warm-up on the same machine)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isdir(os.path.join(repo, ".git")):
+        assert re.fullmatch(r"[0-9a-f]{40}( \+ changes)?", starts[0]["code"]), starts[0]["code"]
     assert recorded_provenance(run, warmup_run=False)[0] == "CPU A then CPU B"
     # a warm-up run: started from nothing, it records the checkpoint it saved
     sft = tmp_path / "sft"

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import warnings
 from importlib import metadata
 from typing import Any, Mapping
@@ -64,6 +65,20 @@ def machine_id() -> str:
             + (f", {libraries}" if libraries else ""))
 
 
+def code_version() -> str:
+    """The commit of this project's checkout that runs (``+ changes`` when its tracked files differ from it), or ""
+    outside a git checkout: the same machine gives other numbers with other code (a kernel's summation order)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if commit.returncode != 0:
+            return ""
+        dirty = subprocess.run(["git", "-C", root, "diff", "--quiet", "HEAD", "--", "."], timeout=30).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return commit.stdout.strip() + (" + changes" if dirty else "")
+
+
 #: In a run's output directory: what the run recorded of where it ran (:func:`write_run_provenance`).
 PROVENANCE_FILE = "provenance.json"
 
@@ -107,7 +122,7 @@ def write_run_provenance(output_dir: str | os.PathLike, start_checkpoint: str | 
     record."""
     record = read_run_provenance(output_dir)
     start = {"machine": machine_id(), "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-             "resumed": resumed, "warmup": _start_hash(start_checkpoint)}
+             "resumed": resumed, "warmup": _start_hash(start_checkpoint), "code": code_version()}
     record["starts"] = [*record.get("starts", []), start]
     _write_provenance(output_dir, record)
     return record
@@ -180,5 +195,5 @@ def _model_tensors(model_dir: str) -> list[tuple[str, bytes]]:
             for name, t in sorted(state.items()) if isinstance(t, torch.Tensor)]
 
 
-__all__ = ["HASHED_START_BYTES", "PROVENANCE_FILE", "checkpoint_hash", "cpu_model", "kernel_libraries", "machine_id",
+__all__ = ["HASHED_START_BYTES", "PROVENANCE_FILE", "checkpoint_hash", "code_version", "cpu_model", "kernel_libraries", "machine_id",
            "read_run_provenance", "recorded_provenance", "write_run_provenance", "write_saved_warmup"]
