@@ -19,8 +19,9 @@ worker inside its own process: rollout.tensor_parallel consecutive ranks form on
 share of a step's prompts (docs/rollout.md). With rollout.placement=separate rollout.engine_ranks=N the last N ranks
 only generate and score while the others train, and rollout.max_staleness=K lets them generate up to K steps ahead
 (generation overlapped with the update; docs/rollout.md, "Separate engine ranks").
-Output: <trainer.output_dir>/metrics.jsonl, prompts.jsonl, tensorboard/, reward_curve.png, checkpoints/
-(rollouts.jsonl with logging.rollouts=true).
+Output: <trainer.output_dir>/metrics.jsonl, prompts.jsonl, tensorboard/, reward_curve.png, checkpoints/,
+config.json, provenance.json (the machine, code and start checkpoint's hash, recorded at every start) and
+rollouts.jsonl with logging.rollouts=true.
 
 Stopping: SIGINT (Ctrl-C), SIGTERM or SIGUSR1 (Slurm's time-limit notice, --signal=USR1@300) stops the run after
 the current step: every rank stops after the same step, that step's checkpoint is saved (if it was not already), the
