@@ -1,5 +1,6 @@
-"""The preregistered analysis of the confirmatory ablation (issue 32): the tables of docs/results/testbed.md (the
-testbed's results page) from the committed raw data, and nothing else.
+"""The preregistered analyses of the testbed's two studies (the replication of issue 32, the second study of issue
+55): the tables of docs/results/testbed.md (the testbed's results page) from the committed raw data, and nothing
+else.
 
     dynamo confirm benchmarks/results/confirmatory                                  # print the tables
     dynamo confirm benchmarks/results/confirmatory --write docs/results/testbed.md  # put them in the page
@@ -8,10 +9,12 @@ testbed's results page) from the committed raw data, and nothing else.
 DIR holds runs.csv (``dynamo ablate ... --raw-data DIR`` writes it). A seed whose runs span two machines or two
 warm-ups is refused (one line, exit 2): its runs are paired, and another CPU gives other numbers. Until every
 preregistered run is in, the block says how many are, per seed and machine, and holds no table. The analysis is
-fixed by the preregistration (docs/ablation.md, "Preregistration"; ``megatron_dynamo/experiments/confirmatory.py``):
-per hypothesis the per-seed contrast of held-out pass@1 over the preregistered seeds, its two-sided paired Student t
-interval and p-value, Holm's adjustment over all tests, the verdict by the preregistered rule, and the answers to the
-controls' questions. In the page the tables sit between ``<!-- confirm:DIR -->`` and ``<!-- /confirm -->``; the test suite fails when that
+fixed by the study's preregistration (docs/ablation.md; ``megatron_dynamo/experiments/confirmatory.py``, one Study
+each, found by DIR or by the seeds in runs.csv, or named by --study): per hypothesis the per-seed contrast of held-out
+pass@1 over the preregistered seeds, its two-sided paired Student t interval and p-value, Holm's adjustment over the
+study's tests, the verdict by the preregistered rule, the answers to the controls' questions (the replication), and
+the power lines: each test's realised standard error against the planned one, the smallest effect it could detect
+with power 0.8, and its power against the planned effects. In the page the tables sit between ``<!-- confirm:DIR -->`` and ``<!-- /confirm -->``; the test suite fails when that
 block differs from what this command prints.
 """
 
@@ -23,9 +26,9 @@ import sys
 
 def add_arguments(parser) -> None:
     parser.add_argument("directory", help="directory with runs.csv (dynamo ablate --raw-data DIR)")
-    parser.add_argument("--study", default=None, choices=("replication", "second"),
-                        help="the preregistered study whose analysis to run (default: the one whose raw data is "
-                             "DIR, else the one whose seeds runs.csv holds)")
+    parser.add_argument("--study", default=None,
+                        help="the preregistered study whose analysis to run: replication or second (default: the one "
+                             "whose raw data is DIR, else the one whose seeds runs.csv holds)")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", metavar="PAGE", default=None,
                         help="replace the tables' block in this Markdown file (appended when it has none)")
@@ -42,7 +45,11 @@ def main(args) -> int:
     source = os.path.normpath(args.directory)
     path = os.path.join(source, RUNS_FILE)
     try:
-        rows = read_paired_runs(path)
+        registered = [s for s in STUDIES.values() if s.raw_data == source]
+        # a preregistered study before its first raw data: its progress, none in
+        rows = [] if registered and not os.path.exists(path) else read_paired_runs(path)
+        if args.study is not None and args.study not in STUDIES:
+            raise ValueError(f"--study must be one of {', '.join(STUDIES)}, got {args.study!r}")
         study = STUDIES[args.study] if args.study else study_of(rows, source)
     except (OSError, ValueError) as exc:
         print(f"dynamo confirm: {path}: {exc}", file=sys.stderr)
