@@ -59,7 +59,7 @@ the old-log-prob and training passes (it does on the CPU default: 5 micro-batche
 On a tiny model the model passes are cheap, so fixed per-step costs of DynaMO weigh more than they would on a 7B
 model: for the paper shape use a larger model, model.config=configs/models/bench-qwen2-30m.json (31M parameters,
 hidden 512, 8 layers) or bench-qwen2-100m.json (102M, hidden 768, 12 layers), both with the character tokenizer's
-128-entry vocabulary (see docs/results/main-job.md for the command and why 31M on the 2-core machine). A random-init
+128-entry vocabulary (the command: docs/results/main-job.md; why 31M: docs/changelog.md, issue 15). A random-init
 model (--sft-steps 0) generates random characters until EOS or the limit (the character tokenizer's EOS has
 probability ~1/128 per token: a geometric length mix, mean ~150 of 384); it still solves a prompt now and then, and
 with the recipe's learning rate the 16 updates per step change it so fast that response lengths drift within a

@@ -7,7 +7,7 @@ little in matrix products and much in elementwise kernels, each a parallel regio
 unfused rotary embedding recomputes ``cos``/``sin`` in every layer, builds the rotated half with ``chunk``/``neg``/
 ``cat`` and copies the result once more; autograd then differentiates each of those ops. Written out, the norm takes
 four kernels forward and six backward, the rotary embedding three each way: the CPU default's update about 25%
-faster (docs/results/peer.md). Transformer Engine's fused kernels take these places on a GPU.
+faster (docs/changelog.md, issue 43's second sitting). Transformer Engine's fused kernels take these places on a GPU.
 
 - :class:`LocalRMSNorm`: ``torch.nn.RMSNorm`` with this forward/backward (parameters and state dict unchanged);
   :class:`SequenceParallelRMSNorm` the same under sequence parallelism.
