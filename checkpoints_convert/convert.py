@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from checkpoints_convert.launch import (Layout, broadcast_from_driver, check_launcher_world, is_driver, run_ranks,
-                                        under_launcher)
+from checkpoints_convert.launch import (Layout, broadcast_from_driver, check_launcher_world, ensure_launcher_group,
+                                        is_driver, run_ranks, under_launcher)
 from megatron_dynamo.models.checkpoint_io import (SAFE_WEIGHTS_INDEX_NAME, CheckpointError, HFCheckpointReader,
                                                   SafetensorsShardWriter, atomic_output_dir, dtype_name,
                                                   is_model_checkpoint, load_model_checkpoint, parse_qwen_config,
@@ -149,15 +149,18 @@ def verified_source(megatron_dir: str | os.PathLike, command: str, log: Log) -> 
 
 
 @contextlib.contextmanager
-def _output_dir(out: str | os.PathLike, force: bool) -> Iterator[Path]:
+def _output_dir(out: str | os.PathLike, force: bool, layout: Layout) -> Iterator[Path]:
     """:func:`atomic_output_dir` on the driver; under a launcher its temporary path is shared with every rank and
-    the ranks wait until the driver has renamed it into place."""
+    the ranks wait until the driver has renamed it into place. The launcher's process group is made here (the
+    ranks' work would make it later): sharing the path is the first collective of a conversion under torchrun or
+    srun, and without a group every other rank got None for it."""
     if not under_launcher():
         with atomic_output_dir(out, force) as tmp:
             yield tmp
         return
     import torch.distributed as dist
 
+    ensure_launcher_group(layout)
     if is_driver():
         context = atomic_output_dir(out, force)
         try:
@@ -250,7 +253,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 
     if is_driver():
         log(f"hf-to-megatron: {hf_dir} ({arch.model_type}, {arch.num_layers} layers, {len(reader.names())} tensors, "
             f"{size_text(reader.total_bytes())}) -> {out} as {dtype} at {layout}")
-    with _output_dir(out, force) as tmp:
+    with _output_dir(out, force, layout) as tmp:
         results = run_ranks(_hf_to_megatron_rank, layout, str(hf_dir), arch, dtype, layout, str(tmp), quiet,
                             max_item_bytes)
         if is_driver():
@@ -320,7 +323,7 @@ def megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike,
     if is_driver():
         log(f"megatron-to-hf: {megatron_dir} ({ckpt.arch.model_type}, {ckpt.dtype}) -> {out} as {out_dtype} "
             f"(loaded at {layout})")
-    with _output_dir(out, force) as tmp:
+    with _output_dir(out, force, layout) as tmp:
         results = run_ranks(_megatron_to_hf_rank, layout, str(Path(megatron_dir).absolute()), layout, str(tmp),
                             out_dtype, max_shard_bytes, quiet)
         copied = []
