@@ -1,6 +1,7 @@
 """The memory plan (issue 54, item 1): every term against hand arithmetic for a made-up architecture, the 1F1B
-in-flight count, the recompute modes and the optimizer's data-parallel sharding. No GPU, no process group: plain
-arithmetic.
+in-flight count, the recompute modes, the optimizer's data-parallel sharding, and every recipe against the cluster's
+80 GB GPUs; the 30B-A3B recipe as it was (recompute off, 10,240-token micro-batches) is refused in one line by
+`dynamo launch show/run` and `dynamo train`. No GPU, no process group: plain arithmetic.
 
 The expected numbers are worked out by hand below (the tiny architecture: hidden 64, FFN 128, 4 layers, 4 heads of
 32, 2 key/value heads, vocabulary 1000, Qwen3's q/k norms, untied): one layer's attention holds q 64x128 + k 64x64
@@ -14,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dynamo.cli import main as cli_main
+from megatron_dynamo.config import ConfigError
 from megatron_dynamo.launch import memory_plan as mp
+from megatron_dynamo.launch.memory_check import architecture, check_job_memory, check_memory, plan_run
+from megatron_dynamo.launch.recipes import PROJECT_ROOT, RECIPES, check_layout, get_recipe, load_recipe
 from megatron_dynamo.models.mappings import hf_parameter_shapes
 from megatron_dynamo.models.qwen import RECOMPUTE_MODES, QwenArchitecture, load_hf_config, parse_qwen_config
 from megatron_dynamo.models.qwen_moe import MoEArchitecture
@@ -27,6 +32,8 @@ DENSE = QwenArchitecture(model_type="qwen3", vocab_size=1000, hidden_size=64, in
 # Layer 0 dense, layers 1-3 MoE: 8 experts of FFN 32, top-2.
 MOE = dataclasses.replace(DENSE, model_type="qwen3_moe", moe=MoEArchitecture(
     num_experts=8, top_k=2, expert_intermediate_size=32, norm_topk_prob=True, layer_pattern=(0, 1, 1, 1)))
+# The 30B-A3B recipe as issue 54 found it.
+AS_WRITTEN = ["trainer.recompute=off", "trainer.micro_batch_tokens=10240"]
 
 
 def setup(**kw) -> mp.Setup:
@@ -164,3 +171,75 @@ def test_the_constants_are_the_code_s():
 
     assert (mp.SYNC_BUCKET_BYTES, mp.OUTPUT_CHUNK_ELEMENTS) == (BUCKET_BYTES, DEFAULT_CHUNK_ELEMENTS)
     assert mp.RECOMPUTE == RECOMPUTE_MODES
+
+
+# ---------------------------------------------------------------------------------------------- the recipes
+def _recipe_plans(name: str, overrides: list[str] = ()):
+    recipe = get_recipe(name)
+    run = load_recipe(recipe, [*recipe.overrides, *overrides])
+    layout = check_layout(run, recipe.nodes, recipe.gpus_per_node)
+    return run, architecture(run, PROJECT_ROOT), layout.topology, recipe.device_memory
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_fits(name):
+    run, arch, topology, capacity = _recipe_plans(name)
+    plans = check_memory(run, arch, topology, capacity)
+    assert all(plan.fits for plan in plans) and capacity == 81_559 * 2 ** 20
+
+
+def test_the_30b_recipe_as_written_is_refused_in_one_line_and_fits_with_the_fix():
+    run, arch, topology, capacity = _recipe_plans("qwen3-30b-a3b", AS_WRITTEN)
+    with pytest.raises(ConfigError) as refused:
+        check_memory(run, arch, topology, capacity)
+    message = str(refused.value)
+    assert "\n" not in message and "the largest term is activations" in message, message
+    assert "during the update" in message and "trainer.recompute=full brings the plan to" in message, message
+    fixed = plan_run(dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, recompute="full")), arch,
+                     topology, capacity)
+    assert all(plan.fits for plan in fixed)
+    # No micro-batch is shorter than the longest sequence (2,048 + 8,192): a smaller micro_batch_tokens changes
+    # nothing without recompute.
+    shorter = _recipe_plans("qwen3-30b-a3b", [*AS_WRITTEN[:1], "trainer.micro_batch_tokens=4096"])
+    assert plan_run(*shorter)[0].term("activations") == plan_run(run, arch, topology, capacity)[0].term("activations")
+    # The recipe now: full recompute, one longest sequence a micro-batch; the peak is the generation's.
+    run, arch, topology, capacity = _recipe_plans("qwen3-30b-a3b")
+    assert (run.trainer.recompute, run.trainer.micro_batch_tokens) == ("full", 10_240)
+    stage0 = plan_run(run, arch, topology, capacity)[0]
+    assert stage0.peak_phase == "generate" and stage0.phase_total("update") < 42 * GiB
+
+
+def test_a_vllm_share_below_its_weights_is_refused():
+    run, arch, topology, capacity = _recipe_plans("qwen3-30b-a3b", ["rollout.gpu_memory_utilization=0.1"])
+    with pytest.raises(ConfigError, match=r"^rollout.gpu_memory_utilization=0.1 gives vLLM 8.0 GiB .* weights \(14.2"):
+        check_memory(run, arch, topology, capacity)
+
+
+def test_launch_show_prints_the_plan_and_show_and_run_refuse_the_30b_as_written(capsys):
+    assert cli_main(["launch", "show", "qwen3-30b-a3b"]) == 0
+    out = capsys.readouterr().out
+    assert "# memory plan per GPU, 79.6 GiB a GPU" in out and "the fullest GPU: pipeline stage 0 of 2" in out
+    assert "\n#   activations " in out and "recompute full" in out and ": fits, " in out
+    assert cli_main(["launch", "show", "qwen3-30b-a3b", *AS_WRITTEN]) == 2
+    shown = capsys.readouterr()
+    assert "does NOT fit" in shown.out and "\nmodel:" not in shown.out  # the plan, not the config
+    assert shown.err.count("\n") == 1 and shown.err.startswith("dynamo launch: memory plan: "), shown.err
+    assert "activations" in shown.err and "trainer.recompute=full" in shown.err
+    assert cli_main(["launch", "run", "qwen3-30b-a3b", "--executor", "slurm", "--code-dir", "/c", "--dryrun",
+                     *AS_WRITTEN]) == 2
+    run = capsys.readouterr()
+    assert run.out == "" and run.err.count("\n") == 1 and "trainer.recompute=full" in run.err, run
+
+
+def test_dynamo_train_refuses_on_a_gpu_and_plans_nothing_on_cpu(monkeypatch, capsys, tmp_path):
+    from megatron_dynamo.commands import train
+
+    monkeypatch.setattr(train, "check_run_inputs", lambda cfg, resume: cfg)  # the files of a cluster
+    monkeypatch.setattr(train, "device_memory", lambda: 81_559 * 2 ** 20)
+    argv = ["train", str(ROOT / "configs/qwen3-30b-a3b.yaml"), *AS_WRITTEN, f"trainer.output_dir={tmp_path}",
+            "--nproc", "16"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dynamo train: memory plan: ") and "trainer.recompute=full" in err
+    run, arch, topology, _ = _recipe_plans("qwen3-30b-a3b", AS_WRITTEN)
+    check_job_memory(run, topology, None)  # a CPU run: no device plan

@@ -20,6 +20,11 @@ DYNAMO_CONTAINER_IMAGE, DYNAMO_CONTAINER_MOUNTS, DYNAMO_JOB_DIR. Conversion reci
 src, out, tp, pp, tokenizer, dtype, force. `run` needs nemo-run (pip install -e ".[launch]"); list and show do
 not. Without nemo-run: scripts/slurm/train.sbatch and scripts/slurm/convert.sbatch (docs/cluster.md).
 
+Memory: `show` prints the plan of the fullest GPU (weights, gradients, optimizer state, activations, routes, the
+vLLM engine's share, the weight sync's transient; launch/memory_plan.py) at the recipe's device memory
+(Recipe.device_memory, the cluster's 80 GB GPUs); `show` and `run` refuse a GPU job whose plan exceeds it, before
+anything is submitted: exit 2, one line naming the largest term and a key that makes it fit (docs/cluster.md).
+
 Values that reach the batch script are shell-quoted (--container-image, --mounts, --code-dir and their DYNAMO_*
 defaults: nemo-run writes them unquoted) or refused with exit 2 where they cannot be: --account, --partition,
 --time, --job-dir, --ssh-host and --ssh-user go into #SBATCH lines or paths nemo-run does not quote, so they take
@@ -39,8 +44,11 @@ from megatron_dynamo.algorithms.baselines import ALGO_HELP
 from megatron_dynamo.config import ConfigError, parse_yaml, to_dict
 from megatron_dynamo.launch import nemo
 from megatron_dynamo.launch.entry import convert_args
-from megatron_dynamo.launch.recipes import (CONVERSIONS, RECIPES, SiteRoots, TRAIN_ENV, check_layout, get_recipe,
-                                            layout_reasons, load_recipe, recipe_overrides, train_args)
+from megatron_dynamo.launch.memory_check import architecture, check_job_memory, check_memory, plan_run, plan_table
+from megatron_dynamo.launch.memory_plan import GiB
+from megatron_dynamo.launch.recipes import (CONVERSIONS, PROJECT_ROOT, RECIPES, Recipe, SiteRoots, TRAIN_ENV,
+                                            check_layout, get_recipe, layout_reasons, load_recipe, recipe_overrides,
+                                            train_args)
 from megatron_dynamo.trainer.config import ALGORITHMS
 
 
@@ -66,7 +74,8 @@ def add_arguments(parser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True,
                                     help="list | show NAME | run NAME")
     actions.add_parser("list", help="the recipes: name, nodes x GPUs, parallel layout")
-    _site_arguments(actions.add_parser("show", help="a recipe's layout, full config and plain launch commands"))
+    _site_arguments(actions.add_parser("show", help="a recipe's layout, memory plan, full config and plain launch "
+                                                    "commands"))
     run = actions.add_parser("run", help="submit a recipe (or print it with --dryrun)")
     _site_arguments(run)
     env = os.environ.get
@@ -142,6 +151,14 @@ def _show(args) -> int:
     layout = check_layout(cfg, recipe.nodes, recipe.gpus_per_node)
     print(f"# {recipe.name}: {recipe.config}\n# layout: {layout.describe()}")
     print("\n".join(layout_reasons(recipe)))
+    arch = architecture(cfg, PROJECT_ROOT)
+    if arch is not None:  # the table first: a layout that does not fit is refused below, with the plan shown
+        print("\n".join(plan_table(plan_run(cfg, arch, layout.topology, recipe.device_memory),
+                                   _capacity_note(recipe))), flush=True)
+        check_memory(cfg, arch, layout.topology, recipe.device_memory)
+    else:
+        print(f"# memory plan: none, the architecture ({cfg.model.config or cfg.model.checkpoint}) is not readable "
+              "here")
     print(f"# algo: {args.algo}; resume on: the latest checkpoint under the output directory, if any")
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     print("\n# the same run without nemo-run, on every node of the job (scripts/slurm/train.sbatch does this):")
@@ -149,6 +166,10 @@ def _show(args) -> int:
           f"--rdzv-endpoint HEAD_NODE:29500 --rdzv-id JOB_ID -m megatron_dynamo.cli "
           + shlex.join(train_args(recipe, overrides, args.algo)))
     return 0
+
+
+def _capacity_note(recipe: Recipe) -> str:
+    return f"{recipe.device_memory / GiB:.1f} GiB a GPU (Recipe.device_memory; the cluster recipes' 80 GB GPUs)"
 
 
 def _dryrun_notes(args, script: str, each_task: str, per_node: int | None) -> list[str]:
@@ -194,8 +215,11 @@ def _run(args) -> int:
         gpus = recipe.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
         if gpus < 0:
             raise ValueError(f"--gpus-per-node must be >= 0, got {gpus}")
-        summary = check_layout(cfg, nodes, gpus or 1).describe()  # 0 GPUs: one CPU rank per node
-        if not gpus:
+        layout = check_layout(cfg, nodes, gpus or 1)  # 0 GPUs: one CPU rank per node
+        summary = layout.describe()
+        if gpus:  # refused before it is submitted when a GPU's memory plan exceeds the recipe's device memory
+            check_job_memory(cfg, layout.topology, recipe.device_memory, PROJECT_ROOT)
+        else:
             summary = summary.replace("GPUs", "CPU ranks", 1)
         env, torchrun, time_limit, retries = TRAIN_ENV, True, recipe.time, 20
     if args.executor == "local":

@@ -18,7 +18,9 @@ under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID set) each process is one
 worker inside its own process: rollout.tensor_parallel consecutive ranks form one engine, each engine generates its
 share of a step's prompts (docs/rollout.md). With rollout.placement=separate rollout.engine_ranks=N the last N ranks
 only generate and score while the others train, and rollout.max_staleness=K lets them generate up to K steps ahead
-(generation overlapped with the update; docs/rollout.md, "Separate engine ranks").
+(generation overlapped with the update; docs/rollout.md, "Separate engine ranks"). On a GPU, a layout whose memory
+plan exceeds the GPU's memory is refused before anything is built: exit 2, one line naming the largest term and a key
+that makes it fit (docs/cluster.md, "The memory plan").
 Output: <trainer.output_dir>/metrics.jsonl, prompts.jsonl, tensorboard/, reward_curve.png, checkpoints/,
 config.json, provenance.json (the machine, code and start checkpoint's hash, recorded at every start) and
 rollouts.jsonl with logging.rollouts=true.
@@ -45,7 +47,8 @@ import sys
 from megatron_dynamo import heap, library_logs
 from megatron_dynamo.algorithms.baselines import ALGO_HELP, BASELINES, algorithm_note
 from megatron_dynamo.config import ConfigError
-from megatron_dynamo.launch.ranks import launch_training, resolve_topology
+from megatron_dynamo.launch.memory_check import check_job_memory
+from megatron_dynamo.launch.ranks import device_memory, launch_training, resolve_topology
 from megatron_dynamo.models.checkpoint_io.signing import signing_key, trust_line
 from megatron_dynamo.parallel import stop_signals
 from megatron_dynamo.parallel.runtime import detect_launch, launcher
@@ -101,11 +104,14 @@ def main(args) -> int:
     try:
         with heap.start_up():  # the prompts' check imports the tokenizer's libraries
             cfg = load_run_config(args.config, args.overrides, algo=args.algo)
-            # The layout, missing files, an output directory holding another run, too few or too long prompts: one
+            # The layout, missing files, an output directory holding another run, a layout whose memory plan exceeds
+            # the GPU's memory, too few or too long prompts: one
             # line now (exit 2, nothing written), not a traceback after the ranks start. Hub ids are resolved here,
             # once: the ranks get the local snapshot directories.
             topology = resolve_topology(cfg, args.nproc)
             cfg = check_run_inputs(cfg, resume=args.resume)
+            # A GPU's memory plan over the device's memory (launch/memory_check.py; none on CPU).
+            check_job_memory(cfg, topology, device_memory())
             prompt_note = check_training_prompts(cfg)
     except (ConfigError, OSError) as exc:
         print(f"dynamo train: {exc}", file=sys.stderr)

@@ -40,6 +40,14 @@ def resolve_topology(run, nproc: int | None = None) -> JobTopology:
     return JobTopology.resolve(job_world_size(run, nproc), run.parallel, run.rollout)
 
 
+def device_memory() -> int | None:
+    """Bytes of this process's GPU (its local rank's, under torchrun/srun), for the memory plan; None without CUDA
+    (a CPU run has no device plan). Reads the device's properties only: no CUDA context is made here."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(detect_launch().local_rank % torch.cuda.device_count()).total_memory
+
+
 def launch_training(run, topology: JobTopology, resume: bool) -> None:
     """Train ``run`` (a validated RunConfig) in this process's rank(s) of ``topology`` (:func:`resolve_topology`):
     under torchrun/srun this process is one rank; otherwise it runs all the job's ranks, spawning them when more than

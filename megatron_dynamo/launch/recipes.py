@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 
 from megatron_dynamo.algorithms.baselines import check_algorithm_overrides
 from megatron_dynamo.config import ConfigError, apply_overrides, build, load_yaml
+from megatron_dynamo.launch.memory_plan import DEFAULT_DEVICE_MEMORY
 from megatron_dynamo.parallel.topology import JobTopology, check_at_least_one, check_divides
 from megatron_dynamo.trainer.config import ALGORITHMS, RunConfig, load_run_config
 from megatron_dynamo.trainer.preflight import check_model_on_layout
@@ -36,6 +37,9 @@ class Recipe:
     time: str = "24:00:00"  # one Slurm allocation; the job requeues itself and resumes when it runs out
     description: str = ""
     overrides: tuple[str, ...] = ()  # a variant of the YAML: applied first, before the site's and the user's
+    # Bytes of one GPU, for the memory plan (launch/memory_check.py): the cluster's 80 GB GPUs unless a recipe says
+    # otherwise; a YAML path gets the same.
+    device_memory: int = DEFAULT_DEVICE_MEMORY
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
