@@ -18,7 +18,8 @@ import pytest
 from megatron_dynamo.cli import main as cli_main
 from megatron_dynamo.config import ConfigError
 from megatron_dynamo.launch import memory_plan as mp
-from megatron_dynamo.launch.memory_check import architecture, check_job_memory, check_memory, plan_run
+from megatron_dynamo.launch.memory_check import (architecture, check_job_memory, check_memory, header_block,
+                                                 plan_run)
 from megatron_dynamo.launch.recipes import PROJECT_ROOT, RECIPES, check_layout, get_recipe, load_recipe
 from megatron_dynamo.models.mappings import hf_parameter_shapes
 from megatron_dynamo.models.qwen import RECOMPUTE_MODES, QwenArchitecture, load_hf_config, parse_qwen_config
@@ -182,10 +183,12 @@ def _recipe_plans(name: str, overrides: list[str] = ()):
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_every_recipe_fits(name):
+def test_every_recipe_fits_and_its_header_holds_its_plan(name):
     run, arch, topology, capacity = _recipe_plans(name)
     plans = check_memory(run, arch, topology, capacity)
     assert all(plan.fits for plan in plans) and capacity == 81_559 * 2 ** 20
+    block = "\n".join(header_block(name, plans))
+    assert block in (PROJECT_ROOT / RECIPES[name].config).read_text(), f"regenerate the header's lines:\n{block}"
 
 
 def test_the_30b_recipe_as_written_is_refused_in_one_line_and_fits_with_the_fix():
