@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 
 import torch
 
@@ -42,10 +43,17 @@ def resolve_topology(run, nproc: int | None = None) -> JobTopology:
 
 def device_memory() -> int | None:
     """Bytes of this process's GPU (its local rank's, under torchrun/srun), for the memory plan; None without CUDA
-    (a CPU run has no device plan). Reads the device's properties only: no CUDA context is made here."""
+    or nvidia-smi (a CPU run has no device plan). Asked of nvidia-smi, not torch: torch's device properties make a
+    CUDA context in this process, which the launcher of spawned ranks would hold on GPU 0 for the whole run."""
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_properties(detect_launch().local_rank % torch.cuda.device_count()).total_memory
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=30)
+        totals = [int(line) for line in query.stdout.split()] if query.returncode == 0 else []
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    return totals[detect_launch().local_rank % len(totals)] * 2 ** 20 if totals else None  # MiB
 
 
 def launch_training(run, topology: JobTopology, resume: bool) -> None:
