@@ -52,7 +52,7 @@ FUNCTION_IMPORTS: dict[str, int] = {
     "checkpoints_convert/cli.py": 1,
     "megatron_dynamo/commands/ablate.py": 1,
     "megatron_dynamo/commands/compare.py": 1,
-    "megatron_dynamo/commands/confirm.py": 2,
+    "megatron_dynamo/commands/confirm.py": 1,
     "megatron_dynamo/data/__init__.py": 1,
     "megatron_dynamo/trainer/preflight.py": 1,
     "megatron_dynamo/trainer/rollout_setup.py": 1,

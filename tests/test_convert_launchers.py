@@ -38,6 +38,7 @@ def _weights(directory) -> dict[str, torch.Tensor]:
     return {name: reader.get(name) for name in reader.names()}
 
 
+@pytest.mark.distributed  # two torchrun ranks a command: the slow tier
 @pytest.mark.parametrize("config,flag", [(TINY_QWEN2, "--tp"), (TINY_QWEN3_MOE, "--ep")], ids=["dense-tp2", "moe-ep2"])
 def test_every_conversion_command_runs_under_torchrun(config, flag, tmp_path):
     source = tmp_path / "hf"

@@ -38,23 +38,22 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     # lazy: the preregistered statistics (mpmath's Student t) add ~40 ms to every `dynamo --help`
-    from megatron_dynamo.experiments.confirmatory import STUDIES, study_of
-    from megatron_dynamo.experiments.confirmatory_tables import committed_blocks, format_tables, replace_block
-    from megatron_dynamo.experiments.raw_data import RUNS_FILE, read_paired_runs
+    from megatron_dynamo.experiments import confirmatory, confirmatory_tables, raw_data
 
     source = os.path.normpath(args.directory)
-    path = os.path.join(source, RUNS_FILE)
+    path = os.path.join(source, raw_data.RUNS_FILE)
+    studies = confirmatory.STUDIES
     try:
-        registered = [s for s in STUDIES.values() if s.raw_data == source]
+        registered = [s for s in studies.values() if s.raw_data == source]
         # a preregistered study before its first raw data: its progress, none in
-        rows = [] if registered and not os.path.exists(path) else read_paired_runs(path)
-        if args.study is not None and args.study not in STUDIES:
-            raise ValueError(f"--study must be one of {', '.join(STUDIES)}, got {args.study!r}")
-        study = STUDIES[args.study] if args.study else study_of(rows, source)
+        rows = [] if registered and not os.path.exists(path) else raw_data.read_paired_runs(path)
+        if args.study is not None and args.study not in studies:
+            raise ValueError(f"--study must be one of {', '.join(studies)}, got {args.study!r}")
+        study = studies[args.study] if args.study else confirmatory.study_of(rows, source)
     except (OSError, ValueError) as exc:
         print(f"dynamo confirm: {path}: {exc}", file=sys.stderr)
         return 2
-    tables = format_tables(rows, source, study)
+    tables = confirmatory_tables.format_tables(rows, source, study)
     target = args.write or args.check
     if target is None:
         print(tables)
@@ -66,13 +65,13 @@ def main(args) -> int:
         print(f"dynamo confirm: {target}: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        if committed_blocks(text).get(source) != tables:
+        if confirmatory_tables.committed_blocks(text).get(source) != tables:
             print(f"dynamo confirm: {target}'s tables of {source} differ from the command's (or are missing): "
                   f"run dynamo confirm {source} --write {target}", file=sys.stderr)
             return 1
         print(f"{target}: the tables of {source} are up to date")
         return 0
     with open(target, "w", encoding="utf-8") as f:
-        f.write(replace_block(text, source, tables))
+        f.write(confirmatory_tables.replace_block(text, source, tables))
     print(f"wrote the tables of {source} into {target}")
     return 0
