@@ -147,8 +147,11 @@ def assert_same_metrics(got: dict[int, dict], want: dict[int, dict]) -> None:
         for key in sorted(keys):
             a, b = got[step][key], want[step][key]
             if isinstance(b, float) and not key.startswith(("reward", "alloc")):
-                # abs 1e-6: statistics that are float noise themselves (the engine-trainer log-prob gap, 2e-7)
-                assert a == pytest.approx(b, rel=1e-5, abs=1e-6), (step, key, a, b)
+                # abs 1e-6: statistics that are float noise themselves; the engine-trainer log-prob gap is float32
+                # rounding of log-probs up to ~10 in size (eps x 10 = 1.2e-6): 1e-5 for it (on one AMD EPYC the
+                # two launchers' maxima were 8.3e-7 and 1.9e-6)
+                noise = 1e-5 if key.startswith("rollout/logp_gap") else 1e-6
+                assert a == pytest.approx(b, rel=1e-5, abs=noise), (step, key, a, b)
             else:
                 assert a == b, (step, key, a, b)
 
