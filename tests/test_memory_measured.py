@@ -3,16 +3,16 @@ q/k norms, Qwen3-MoE) train a step on CPU with Megatron's local layers, and ever
 backward is counted by storage (``torch.autograd.graph.saved_tensors_hooks``), per decoder layer.
 
 - Per layer and token, recompute off and selective: exactly :func:`memory_plan.layer_activation_bytes` with
-  ``kernels="cpu"`` (what the CPU's unfused kernels keep beside the GPU plan's terms; its docstring lists them).
+  ``kernels="local"`` (what Megatron's local layers keep beside Transformer Engine's: ``launch/local_activations.py``).
 - Full recompute: the layers keep nothing; the checkpoints keep each layer's input (the plan's b h a token a layer)
   and the rotary table once.
 - Pipeline parallel 2, four micro-batches under 1F1B: the most bytes the layers of each stage hold at once are
   :func:`memory_plan.in_flight` micro-batches (2 on stage 0, 1 on stage 1) of the per-layer plan.
 - Weights, the gradient buffer and Adam's state: the plan's terms in fp32, measured on the model's tensors.
 
-The GPU's own kernels (Transformer Engine, flash attention, the fused SwiGLU) are measured by ``gpu_check --part
-moe`` on a lent GPU; the terms both share (norms, q/k/v, the MLP's fc1, the experts' routed copies, the router's
-top-k, recompute, the schedule's in-flight count) are checked here."""
+Transformer Engine's kernels (flash attention, the fused SwiGLU), what the GPU recipes use, need a GPU; the terms both
+share (norms, q/k/v, the MLP's fc1, the experts' routed copies, the router's top-k, recompute, the schedule's in-flight
+count) are checked here."""
 
 from __future__ import annotations
 
@@ -155,13 +155,14 @@ def test_each_layer_keeps_what_the_plan_says(name, one_rank, tmp_path):
         kept[recompute] = counter
         if recompute == "full":
             continue
-        setup = mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", recompute=recompute, kernels="cpu",
+        setup = mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", recompute=recompute, kernels="local",
                          sequence_length=LENGTH)
         for layer in range(counter.layers):
             planned = mp.layer_activation_bytes(arch, setup, arch.is_moe_layer(layer), recompute)
             # To 0.1%: selective recompute's checkpoint also keeps a 4-byte scalar a micro-batch.
             assert counter.per_token(layer) == pytest.approx(planned, rel=1e-3), (name, recompute, layer)
-    # Recompute off must not be what the GPU plan says (the CPU's kernels keep more): the test tells them apart.
+    # Recompute off must not be what the plan for Transformer Engine says (local layers keep more): the test tells them
+    # apart.
     gpu = mp.layer_activation_bytes(arch, mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32"), False)
     assert kept["off"].per_token(0) > 1.15 * gpu
     # Full recompute: nothing inside the layers; outside them, each layer's input (b h a token) and, once, the
@@ -181,7 +182,7 @@ def test_weights_gradients_and_optimizer_state_are_the_plans_terms(one_rank, tmp
         config = CONFIGS[name]
         actor, _ = _measure(config, "off", str(tmp_path / name))
         actor.optimizer_step()  # Adam makes its state at the first step
-        setup = mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", distributed_optimizer=False, kernels="cpu",
+        setup = mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", distributed_optimizer=False, kernels="local",
                          sequence_length=LENGTH)
         terms = {term.name: term.bytes for term in mp.training_terms(_architecture(config), setup, 0)}
         weights = sum(p.numel() * p.element_size() for _, p in actor.named_parameters())
@@ -216,7 +217,7 @@ def _pipeline_worker(rank, world_size, config, state):
 def test_each_pipeline_stage_holds_the_plans_micro_batches_in_flight(name, tmp_path):
     config = CONFIGS[name]
     arch = _architecture(config)
-    setup = mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", pipeline_parallel=2, kernels="cpu",
+    setup = mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", pipeline_parallel=2, kernels="local",
                      sequence_length=LENGTH)
     for stage in run_on_ranks(_pipeline_worker, 2, config, _state(config, str(tmp_path))):
         assert [arch.is_moe_layer(i) for i in stage["layers"]] == \
@@ -232,11 +233,11 @@ def test_each_pipeline_stage_holds_the_plans_micro_batches_in_flight(name, tmp_p
         assert stage["peak"] == pytest.approx(count * per_micro_batch, rel=0.02), (name, stage["stage"])
 
 
-def test_cpu_kernels_need_the_sequence_length_and_known_values():
+def test_local_kernels_need_the_sequence_length_and_known_values():
     arch = _architecture(TINY_QWEN3)
     with pytest.raises(ValueError, match="kernels"):
         mp.layer_activation_bytes(arch, mp.Setup(micro_batch_tokens=1, kernels="tpu"), False)
-    longer = dataclasses.replace(mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", kernels="cpu"),
+    longer = dataclasses.replace(mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", kernels="local"),
                                  sequence_length=2 * LENGTH)
     shorter = dataclasses.replace(longer, sequence_length=LENGTH)
     # The attention scores grow with the sequence (a x S fp32 a token), the rotary table with its positions.

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_dynamo.launch.cpu_activations import cpu_layer_bytes
+from megatron_dynamo.launch.local_activations import local_layer_bytes
 
 if TYPE_CHECKING:  # read only; the plan imports neither torch nor Megatron
     from megatron_dynamo.models.qwen import QwenArchitecture
@@ -53,7 +53,7 @@ SYNC_BUCKET_BYTES = 128 * 2 ** 20  # rollout/channel.py's BUCKET_BYTES (a test k
 OUTPUT_CHUNK_ELEMENTS = 1 << 25  # parallel/token_chunks.py's DEFAULT_CHUNK_ELEMENTS (two fp32 chunk buffers)
 PHASES = ("generate", "sync", "update")
 RECOMPUTE = ("off", "selective", "full")
-KERNELS = ("gpu", "cpu")  # TE's layers, flash attention, the fused SwiGLU; Megatron's local layers (CPU runs)
+KERNELS = ("te", "local")  # Transformer Engine with flash attention (GPU runs); Megatron's local layers
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,8 @@ class Setup:
     offload_training_state: bool = False
     routing_replay: str = "off"
     mini_batch_tokens: int = 0
-    kernels: str = "gpu"
-    sequence_length: int = 0  # "cpu" kernels: a micro-batch's (padded) sequence length, for the attention scores
+    kernels: str = "te"
+    sequence_length: int = 0  # "local" kernels: a micro-batch's (padded) sequence length, for the attention scores
 
     @property
     def dtype_bytes(self) -> int:
@@ -204,7 +204,7 @@ def layer_activation_bytes(arch: QwenArchitecture, setup: Setup, moe_layer: bool
     - selective recompute: the core attention reruns; q/k/v stay as its checkpoint's inputs and its output as
       linear_proj's, so only the softmax statistics go (4a/t): flash attention keeps no s x s matrix to drop.
     - full recompute: the layer's input only, b h/s (plus one layer rerun at a time: :func:`stage_activations`).
-    - ``setup.kernels == "cpu"``: Megatron's local layers, as a CPU run keeps them (``launch/cpu_activations.py``).
+    - ``setup.kernels == "local"``: Megatron's local layers, as a CPU run keeps them (``launch/local_activations.py``).
 
     Qwen3-30B-A3B (h 2048, a 32, g 4, d 128, E 128, k 8, f_e 768, norm_topk_prob; bf16, TP 1): attention 2 x 17,920
     + 128 B, MoE MLP 2 x 4,096 + 8 x (2 x 4,352 + 4) + 288 B: 114,112 B (111 KiB) a token a layer.
@@ -216,8 +216,8 @@ def layer_activation_bytes(arch: QwenArchitecture, setup: Setup, moe_layer: bool
     s = t if setup.sequence_parallel else 1
     if recompute == "full":
         return b * h / s
-    if setup.kernels == "cpu":
-        return cpu_layer_bytes(arch, setup, moe_layer, recompute)
+    if setup.kernels == "local":
+        return local_layer_bytes(arch, setup, moe_layer, recompute)
     a, g, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     attention = b * (2 * h / s + ((a + 2 * g) + (a + g if arch.qk_norm else 0) + a) * d / t)
     if recompute == "off":

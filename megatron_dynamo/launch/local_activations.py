@@ -1,6 +1,7 @@
-"""What one decoder layer keeps for the backward with Megatron's local layers (the CPU runs), per token: the memory
-plan's ``kernels="cpu"`` (``launch/memory_plan.py`` plans the GPU's kernels; ``tests/test_memory_measured.py`` checks
-both the terms they share and these against the tensors a CPU run saves). Plain arithmetic, no torch."""
+"""What one decoder layer keeps for the backward with Megatron's local layers (every CPU run; a GPU run without
+Transformer Engine), per token: the memory plan's ``kernels="local"`` (``launch/memory_plan.py`` plans Transformer
+Engine's; ``tests/test_memory_measured.py`` checks the terms they share and these against the tensors a CPU run
+saves). Plain arithmetic, no torch."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ if TYPE_CHECKING:  # read only
     from megatron_dynamo.models.qwen import QwenArchitecture
 
 
-def cpu_layer_bytes(arch: QwenArchitecture, setup, moe_layer: bool, recompute: str) -> float:
-    """:func:`memory_plan.layer_activation_bytes` for Megatron's local layers (CPU runs; b = 4 there), recompute off or
+def local_layer_bytes(arch: QwenArchitecture, setup, moe_layer: bool, recompute: str) -> float:
+    """:func:`memory_plan.layer_activation_bytes` for Megatron's local layers (b = 4 in the CPU's fp32), recompute off or
     selective; ``setup``: the plan's ``Setup`` (not imported: the plan imports this module).
-    What differs from the GPU's kernels, each seen in the saved tensors of a CPU run (tests/test_memory_measured.py):
+    What differs from Transformer Engine's, each seen in the saved tensors of a CPU run (tests/test_memory_measured.py):
 
     - every RMSNorm also keeps its fp32 1/rms (1 value a row: the two layer norms, a + g with Qwen3's q/k norms);
     - rotary embeddings keep their cos and sin in every layer, one row per position (2d x S / the micro-batch's
