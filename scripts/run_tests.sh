@@ -24,8 +24,10 @@ fi
 tier=(-m "not extended")  # a -m of the caller's, given later, replaces it
 # Two test processes (pytest-xdist), each test file whole in one of them (a module's shared fixture runs once, the
 # Slurm tests never share the cluster): much of the suite waits on process start-ups, Slurm and subprocesses, so
-# two files at once take about 0.7x the time of one after the other on 2 cores. DYNAMO_TEST_WORKERS=0: one process.
-workers=(-n "${DYNAMO_TEST_WORKERS:-2}" --dist loadfile)
+# two files at once take about 0.7x the time of one after the other on 2 cores. The files go heaviest first, in
+# the order of tests/durations.json (tests/conftest.py), not by their number of tests: then no file of minutes
+# starts last while the other process has nothing left. DYNAMO_TEST_WORKERS=0: one process.
+workers=(-n "${DYNAMO_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 if [[ "${1:-}" == "--all" ]]; then
   tier=()
   shift

@@ -203,7 +203,7 @@ def _rollout_replay_worker(rank, world_size, checkpoint):
 def test_rollout_replay_uses_the_engines_experts(checkpoint):
     (result,) = run_on_ranks(_rollout_replay_worker, 1, checkpoint)
     # The old-log-prob pass over the engine's experts = the one routing for itself. Not bit for bit: the padding
-    # positions of a micro-batch have no engine experts and go to experts 0..k-1 instead of the router's choice,
+    # positions of a micro-batch have no engine experts and go to experts spread over all E, not the router's choice,
     # which changes the row counts of the experts' GEMMs (float32 rounding of other rows: measured 4.8e-7; 0
     # without padding).
     for index in range(4):
@@ -454,3 +454,25 @@ def test_the_run_header_names_the_experts_split():
         "DP 2 x TP 1 x PP 1 EP=2 (expert TP 1); 2 rollout engines of 1 rank")
     assert JobTopology.resolve(2, _parallel(), _colocated()).describe() == (
         "DP 2 x TP 1 x PP 1; 2 rollout engines of 1 rank")
+
+
+def test_padding_without_experts_is_spread_over_every_expert_and_expert_rank():
+    """Replay fills the tokens that carry no experts (-1: padding, a whole micro-batch that only evens out ranks) with
+    k distinct experts that walk round all E: per expert the padding's load differs by at most one slot, per
+    expert-parallel rank by at most one slot an expert. Real tokens keep the experts they were given."""
+    from megatron_dynamo.models.moe_routing import replay_targets
+
+    experts, k, tokens = 8, 2, 40  # 35 padding tokens: 70 slots, not a multiple of the 8 experts
+    given = torch.full((tokens, k), -1, dtype=torch.int16)
+    given[:5] = torch.tensor([[3, 7]] * 5, dtype=torch.int16)  # five real tokens, then padding
+    targets = replay_targets(given, experts)
+    assert targets.dtype == torch.int64 and torch.equal(targets[:5], torch.tensor([[3, 7]] * 5))
+    padding = targets[5:]
+    assert all(len(set(row.tolist())) == k for row in padding)  # a valid top-k: distinct ids
+    load = torch.bincount(padding.flatten(), minlength=experts)
+    assert load.max() - load.min() <= 1, load
+    for expert_parallel in (2, 4):  # a rank's experts: at most one slot more each than another rank's
+        per_rank = load.reshape(expert_parallel, -1).sum(1)
+        assert per_rank.max() - per_rank.min() <= experts // expert_parallel, (expert_parallel, per_rank)
+    # The old filler (experts 0..k-1 for every padding token) put all of it on expert rank 0.
+    assert load[:k].sum() < padding.numel()

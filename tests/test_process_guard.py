@@ -297,3 +297,36 @@ def test_sigterm_saves_the_step_and_kill_9_leaves_no_process(tmp_path):
         assert not left, f"survived kill -9: {[(p.pid, p.name()) for p in left]}"
     finally:
         _kill_all(recorded)
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_long_warm_up_ends_it_after_its_step_with_nothing_saved(tmp_path):
+    """Ctrl-C in a warm-up of minutes (`dynamo ablate`'s shared one is 800 steps) stops it after the warm-up step in
+    progress on both ranks, not at its end: exit 130, one line that says nothing was saved, no process left."""
+    out = str(tmp_path / "warmup")
+    cmd = [sys.executable, "-m", "megatron_dynamo.cli", "train", os.path.join(REPO, "configs", "cpu_default.yaml"),
+           "--nproc", "2", f"trainer.output_dir={out}", "trainer.sft_warmup_steps=100000", "trainer.steps=2",
+           "logging.tensorboard=false", "logging.plot=false"]
+    os.makedirs(out)
+    stdout, stderr = open(os.path.join(out, "stdout.txt"), "w"), open(os.path.join(out, "stderr.txt"), "w")
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=REPO)
+    recorded = []
+    try:
+        deadline = time.monotonic() + 240
+        while "SFT warm-up: 100000 steps" not in open(stdout.name).read():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the warm-up did not start:\n" + open(stderr.name).read()[-3000:])
+            time.sleep(0.2)
+        recorded = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        err = open(stderr.name).read()
+        stopped = [line for line in err.splitlines() if "during the SFT warm-up" in line]
+        assert len(stopped) == 1 and stopped[0].startswith("dynamo train: stopped by SIGINT during the SFT warm-up, "
+                                                           "after its step "), err[-3000:]
+        assert "of 100000: nothing was saved (a warm-up is saved only whole)" in stopped[0]
+        assert not os.path.exists(os.path.join(out, "checkpoints", "latest"))
+        assert not _wait_gone(recorded, timeout=15)
+    finally:
+        proc.kill()
+        _kill_all(recorded)

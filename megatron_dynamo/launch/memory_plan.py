@@ -6,8 +6,7 @@ run's config, refuses a layout that does not fit and prints the table. The terms
 
 - ``weights``: this rank's parameters in the training dtype (2 bytes in bf16): its pipeline stage's layers, their
   tensor-parallel slices (norms and routers whole), E / EP experts of every MoE layer, split over expert TP; the
-  embedding on the first stage, the final norm and the output layer on the last (a tied output layer too when PP > 1:
-  Megatron keeps a copy there).
+  embedding on the first stage, the final norm and the output layer on the last (a tied one too when PP > 1).
 - ``gradients``: Megatron's DDP gradient buffer, 4 bytes a parameter: the trainer sets ``grad_reduce_in_fp32=True``
   (``trainer/actor.py``) whatever the dtype; the buffer is whole on every rank, also with the distributed optimizer.
 - ``optimizer``: Adam's m and v (fp32), plus fp32 master weights for a bf16 model: 12 bytes a parameter (8 in fp32).
@@ -40,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_dynamo.launch.local_activations import local_layer_bytes
+
 if TYPE_CHECKING:  # read only; the plan imports neither torch nor Megatron
     from megatron_dynamo.models.qwen import QwenArchitecture
 
@@ -52,6 +53,7 @@ SYNC_BUCKET_BYTES = 128 * 2 ** 20  # rollout/channel.py's BUCKET_BYTES (a test k
 OUTPUT_CHUNK_ELEMENTS = 1 << 25  # parallel/token_chunks.py's DEFAULT_CHUNK_ELEMENTS (two fp32 chunk buffers)
 PHASES = ("generate", "sync", "update")
 RECOMPUTE = ("off", "selective", "full")
+KERNELS = ("te", "local")  # Transformer Engine with flash attention (GPU runs); Megatron's local layers
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class Setup:
     offload_training_state: bool = False
     routing_replay: str = "off"
     mini_batch_tokens: int = 0
+    kernels: str = "te"
+    sequence_length: int = 0  # "local" kernels: a micro-batch's (padded) sequence length, for the attention scores
 
     @property
     def dtype_bytes(self) -> int:
@@ -182,8 +186,7 @@ def model_params(arch: QwenArchitecture) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ activations
-def layer_activation_bytes(arch: QwenArchitecture, setup: Setup, moe_layer: bool, recompute: str = "off",
-                           fused_swiglu: bool = True) -> float:
+def layer_activation_bytes(arch: QwenArchitecture, setup: Setup, moe_layer: bool, recompute: str = "off") -> float:
     """Bytes one layer keeps for the backward, per token of a micro-batch, on the GPU (TE spec, flash attention,
     Megatron-Core 0.16). b: 2 in bf16; t: TP; s: t under sequence parallelism, else 1; a, g, d: heads, key/value
     heads, head size; f: the FFN; E, k, f_e: experts, top-k, expert FFN; r = k x ETP / t routed copies a token.
@@ -192,8 +195,7 @@ def layer_activation_bytes(arch: QwenArchitecture, setup: Setup, moe_layer: bool
       (TE's LayerNormLinear keeps both), q/k/v as the core attention keeps them, Qwen3's q/k norms' inputs, the core
       attention's output (linear_proj's input) and its fp32 softmax statistics (the flash/cuDNN attention).
     - dense MLP: b (2h/s + 2f/t + f/t): the pre-MLP norm's input and output, fc1's output (kept by the fused SwiGLU,
-      ``bias_activation_fusion`` on GPU) and the SwiGLU's output (fc2's input); 4f/t with ``fused_swiglu`` off (the
-      CPU's unfused path also keeps silu's output).
+      ``bias_activation_fusion`` on GPU) and the SwiGLU's output (fc2's input).
     - MoE MLP: b 2h/s + router + r (b (h + 2 f_e/ETP + f_e/ETP) + 4): per routed copy fc1's input, fc1's output and
       the weighted SwiGLU's output, and its fp32 probability (0.16 applies the probabilities inside the experts,
       ``per_token_scale``, so the unpermute is a scatter-add that keeps nothing; the all-to-all and the permutes
@@ -202,26 +204,29 @@ def layer_activation_bytes(arch: QwenArchitecture, setup: Setup, moe_layer: bool
     - selective recompute: the core attention reruns; q/k/v stay as its checkpoint's inputs and its output as
       linear_proj's, so only the softmax statistics go (4a/t): flash attention keeps no s x s matrix to drop.
     - full recompute: the layer's input only, b h/s (plus one layer rerun at a time: :func:`stage_activations`).
+    - ``setup.kernels == "local"``: Megatron's local layers, as a CPU run keeps them (``launch/local_activations.py``).
 
     Qwen3-30B-A3B (h 2048, a 32, g 4, d 128, E 128, k 8, f_e 768, norm_topk_prob; bf16, TP 1): attention 2 x 17,920
-    + 128 B, MoE MLP 2 x 4,096 + 8 x (2 x 4,352 + 4) + 288 B: 114,112 B (111 KiB) a token a layer; the issue's
-    estimate, ~130 KB, also counted k copies kept by the unpermute, which 0.16 does not keep.
+    + 128 B, MoE MLP 2 x 4,096 + 8 x (2 x 4,352 + 4) + 288 B: 114,112 B (111 KiB) a token a layer.
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    for key, value, allowed in (("recompute", recompute, RECOMPUTE), ("kernels", setup.kernels, KERNELS)):
+        if value not in allowed:
+            raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
     b, t, h = setup.dtype_bytes, setup.tensor_parallel, arch.hidden_size
     s = t if setup.sequence_parallel else 1
     if recompute == "full":
         return b * h / s
+    if setup.kernels == "local":
+        return local_layer_bytes(arch, setup, moe_layer, recompute)
     a, g, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     attention = b * (2 * h / s + ((a + 2 * g) + (a + g if arch.qk_norm else 0) + a) * d / t)
     if recompute == "off":
         attention += 4 * a / t
     if not moe_layer:
-        return attention + b * (2 * h / s + (3 if fused_swiglu else 4) * arch.intermediate_size / t)
+        return attention + b * (2 * h / s + 3 * arch.intermediate_size / t)
     moe, etp = arch.moe, setup.expert_tensor_parallel
     router = moe.num_experts * (1 + (0 if moe.norm_topk_prob else 4)) + 20 * moe.top_k
-    routed = moe.top_k * etp / t * (b * (h + (3 if fused_swiglu else 4) * moe.expert_intermediate_size / etp) + 4)
+    routed = moe.top_k * etp / t * (b * (h + 3 * moe.expert_intermediate_size / etp) + 4)
     shared = moe.shared_expert_intermediate_size
     shared_bytes = b * (3 * shared / t + h / s + 1) if shared else 0
     return attention + b * 2 * h / s + router + routed + shared_bytes
@@ -263,13 +268,10 @@ def stage_activations(arch: QwenArchitecture, setup: Setup, stage: int) -> tuple
 def _largest_tensor(arch: QwenArchitecture, moe_layer: bool) -> int:
     """The largest single HF tensor of a decoder layer (what one all-gather of the sync assembles)."""
     h = arch.hidden_size
-    candidates = [h * arch.num_attention_heads * arch.head_dim]
-    if moe_layer:
-        moe = arch.moe
-        candidates += [moe.num_experts * h, h * moe.expert_intermediate_size, h * moe.shared_expert_intermediate_size]
-    else:
-        candidates.append(h * arch.intermediate_size)
-    return max(candidates)
+    moe = arch.moe
+    mlp = ([moe.num_experts * h, h * moe.expert_intermediate_size, h * moe.shared_expert_intermediate_size]
+           if moe_layer else [h * arch.intermediate_size])
+    return max(h * arch.num_attention_heads * arch.head_dim, *mlp)
 
 
 def weight_sync_bytes(arch: QwenArchitecture, setup: Setup, side: str) -> int:

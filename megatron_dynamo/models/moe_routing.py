@@ -58,13 +58,16 @@ def from_router_order(values: torch.Tensor, batch: int) -> torch.Tensor:
     return values.reshape(-1, batch, *values.shape[1:]).transpose(0, 1)
 
 
-def replay_targets(experts: torch.Tensor) -> torch.Tensor:
+def replay_targets(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """A layer's given experts [tokens, k] as ``RouterReplay`` takes them (int64). A token without any (-1: padding
-    rows, a packed tail) gets experts 0..k-1: padding comes after every real token of its sequence (or in a segment
-    of its own), so under the causal mask it changes no log-prob the update uses; distinct ids keep it a valid
-    top-k."""
+    rows, a packed tail) gets k distinct experts that walk round all ``num_experts``: token i the ids i k .. i k + k - 1
+    modulo E. Padding comes after every real token of its sequence (or in a segment of its own), so under the causal
+    mask it changes no log-prob the update uses; spread this way, the padding of a micro-batch (a whole one that only
+    evens out ranks) loads every expert, and so every expert-parallel rank, alike instead of the first k."""
     experts = experts.long()
-    filler = torch.arange(experts.shape[-1], device=experts.device).expand_as(experts)
+    tokens, k = experts.shape
+    filler = (torch.arange(tokens, device=experts.device)[:, None] * k
+              + torch.arange(k, device=experts.device)) % num_experts
     return torch.where((experts < 0).any(-1, keepdim=True), filler, experts)
 
 
@@ -142,6 +145,7 @@ class MoERouting:
         self.routers = [moe_routers(module) for module in modules]
         self.num_layers = sum(moe_layer_pattern(self.config))
         self.top_k = self.config.moe_router_topk
+        self.num_experts = self.config.num_moe_experts
         self.recompute = self.config.recompute_granularity is not None
         self._current: _Current | None = None
         for routers in self.routers:
@@ -180,7 +184,7 @@ class MoERouting:
             if router.router_replay is None:
                 continue
             if given_here is not None:
-                router.router_replay.set_target_indices(replay_targets(given_here[:, layer]))
+                router.router_replay.set_target_indices(replay_targets(given_here[:, layer], self.num_experts))
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             elif routing is not None and routing.record:
                 router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)

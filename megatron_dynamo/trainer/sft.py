@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 from megatron_dynamo.data.dataset import GENERATED_TASKS
 from megatron_dynamo.data.synthetic import sft_pairs
+from megatron_dynamo.parallel.stop_signals import agreed_stop_signal, signal_name
 from megatron_dynamo.trainer.batch import Sample
+from megatron_dynamo.trainer.errors import TrainingStopped
 from megatron_dynamo.trainer.policy_loss import response_token_stats
 
 log = logging.getLogger(__name__)
@@ -41,9 +43,12 @@ def sft_warmup(run, examples, tokenizer, actor, updater, rank: int) -> list[floa
     generator = torch.Generator().manual_seed(run.trainer.seed)
     batch = run.trainer.sft_batch_size
     # A long warm-up (minutes) shows its progress every tenth; a short one only its final line.
-    report_every = run.trainer.sft_warmup_steps // 10 if run.trainer.sft_warmup_steps >= 200 else 0
+    steps = run.trainer.sft_warmup_steps
+    report_every = steps // 10 if steps >= 200 else 0
+    if rank == 0 and report_every:
+        log.info("SFT warm-up: %d steps (a stop signal ends it after its step: it is saved only whole)", steps)
     losses = []
-    for step in range(run.trainer.sft_warmup_steps):
+    for step in range(steps):
         order = torch.randperm(len(samples), generator=generator)[:batch].tolist()
         chosen = [samples[i] for i in order]
         denominator = float(sum(s.num_response_tokens for s in chosen))
@@ -56,9 +61,13 @@ def sft_warmup(run, examples, tokenizer, actor, updater, rank: int) -> list[floa
         loss = torch.tensor([sum(float(r["loss"]) for r in results) if own else 0.0], device=actor.device)
         dist.all_reduce(loss)  # the last stage's DP ranks hold the parts of the token mean
         losses.append(loss.item())
-        if rank == 0 and report_every and (step + 1) % report_every == 0 \
-                and step + 1 < run.trainer.sft_warmup_steps:
-            log.info("SFT warm-up: step %d/%d, loss %.3f", step + 1, run.trainer.sft_warmup_steps, losses[-1])
+        signum = agreed_stop_signal()  # every rank stops after the same step, not after a warm-up of minutes
+        if signum:
+            raise TrainingStopped(f"stopped by {signal_name(signum)} during the SFT warm-up, after its step {step + 1} "
+                                  f"of {steps}: nothing was saved (a warm-up is saved only whole); the same command "
+                                  "starts it again", signum, 0)
+        if rank == 0 and report_every and (step + 1) % report_every == 0 and step + 1 < steps:
+            log.info("SFT warm-up: step %d/%d, loss %.3f", step + 1, steps, losses[-1])
     set_learning_rate(actor, run.optim.lr)
     if rank == 0:
         log.info("SFT warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
