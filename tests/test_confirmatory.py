@@ -352,3 +352,22 @@ def test_the_pages_quote_the_first_studys_power_lines_as_computed():
     assert f"H1 {own:.2f} at its own estimate" in page
     ratios = [line["ratio"] for line in power.values()]
     assert f"{min(r for r in ratios if r > 1.2):.1f}-{max(ratios):.1f}x" in readme and "1.5-3.3x" in page
+
+
+def test_the_pages_quote_the_second_studys_verdicts_as_computed():
+    """The README and the testbed page state the second study's verdicts, estimates, intervals, Holm p and what it
+    could detect in words; each is what dynamo confirm computes from the committed runs.csv."""
+    rows = read_runs(os.path.join(REPO, SECOND.raw_data, RUNS_FILE))
+    if missing_runs(rows, SECOND):
+        pytest.skip("the second study is not complete in the committed raw data")
+    result = analyse_runs(rows, SECOND)
+    readme = " ".join(open(os.path.join(REPO, "README.md"), encoding="utf-8").read().split())
+    page = " ".join(open(RESULTS, encoding="utf-8").read().split())
+    h1, h2 = result["tests"]["H1"], result["tests"]["H2"]
+    for text in (readme, page):
+        assert f"**H1, DynaMO - GRPO: {h1['verdict']}**, {h1['mean']:+.2f} [{h1['lo']:+.2f}, {h1['hi']:+.2f}]" in text
+        assert f"{h2['mean']:+.2f} [{h2['lo']:+.2f}, {h2['hi']:+.2f}]" in text and h2["verdict"] in text
+        assert f"detect {result['power']['H1']['detectable']:+.2f} and {result['power']['H2']['detectable']:+.2f}" \
+            in text
+    assert f"(Holm p {h1['p_holm']:.3f})" in readme and f"(Holm p {h2['p_holm']:.4f})" in readme
+    assert f"(p {h1['p']:.3f}, Holm {h1['p_holm']:.3f})" in page and f"(Holm {h2['p_holm']:.4f})" in page
