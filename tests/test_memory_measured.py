@@ -238,6 +238,8 @@ def test_local_kernels_need_the_sequence_length_and_known_values():
     arch = _architecture(TINY_QWEN3)
     with pytest.raises(ValueError, match="kernels"):
         mp.layer_activation_bytes(arch, mp.Setup(micro_batch_tokens=1, kernels="tpu"), False)
+    with pytest.raises(ValueError, match="sequence_length"):
+        mp.layer_activation_bytes(arch, mp.Setup(micro_batch_tokens=TOKENS, kernels="local"), False)
     longer = dataclasses.replace(mp.Setup(micro_batch_tokens=TOKENS, dtype="fp32", kernels="local"),
                                  sequence_length=2 * LENGTH)
     shorter = dataclasses.replace(longer, sequence_length=LENGTH)

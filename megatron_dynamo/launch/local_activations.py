@@ -25,6 +25,8 @@ def local_layer_bytes(arch: QwenArchitecture, setup, moe_layer: bool, recompute:
     - the unfused SwiGLU keeps fc1's output and three more of f (2f + 3f/t: silu's input and output, and the product),
       an expert's four more (the weighting by the routing probability, 2f + 4f);
     - the router also keeps the fp32 probabilities scattered over all E experts (4E)."""
+    if setup.sequence_length <= 0:  # the attention scores and rotary tables grow with it: no default would be right
+        raise ValueError(f"kernels='local' needs the micro-batch's sequence_length (> 0), got {setup.sequence_length}")
     b, t, h = setup.dtype_bytes, setup.tensor_parallel, arch.hidden_size
     s = t if setup.sequence_parallel else 1
     a, g, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
