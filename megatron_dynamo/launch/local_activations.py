@@ -12,8 +12,8 @@ if TYPE_CHECKING:  # read only
 
 
 def local_layer_bytes(arch: QwenArchitecture, setup, moe_layer: bool, recompute: str) -> float:
-    """:func:`memory_plan.layer_activation_bytes` for Megatron's local layers (b = 4 in the CPU's fp32), recompute off or
-    selective; ``setup``: the plan's ``Setup`` (not imported: the plan imports this module).
+    """:func:`memory_plan.layer_activation_bytes` for Megatron's local layers (b = 4 in the CPU's fp32), recompute
+    off or selective; ``setup``: the plan's ``Setup`` (not imported: the plan imports this module).
     What differs from Transformer Engine's, each seen in the saved tensors of a CPU run (tests/test_memory_measured.py):
 
     - every RMSNorm also keeps its fp32 1/rms (1 value a row: the two layer norms, a + g with Qwen3's q/k norms);
